@@ -1,0 +1,1 @@
+"""Benchmarks behind `hybridflow bench WHAT --json`; each module exposes run(args) -> dict."""

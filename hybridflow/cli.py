@@ -1,0 +1,114 @@
+"""`hybridflow` command line: run | validate | bench | reward-serve | demo.
+
+Each subcommand's implementation is imported only when it is used, so `--help` and
+`validate` stay fast and never import torch unless they must.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from hybridflow import __version__
+from hybridflow.errors import HybridflowError
+
+BENCHES = ("transport", "overlap", "reward", "reshard", "rollout")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridflow", description=__doc__)
+    p.add_argument("--version", action="version", version=f"hybridflow {__version__}")
+    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def config_args(sp: argparse.ArgumentParser, required: bool = True) -> None:
+        sp.add_argument(
+            "config",
+            nargs=None if required else "?",
+            help="a YAML topology file or the name of a bundled preset",
+        )
+        sp.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config value by dotted key, e.g. --set run.steps=3 (repeatable)",
+        )
+
+    r = sub.add_parser("run", help="run a topology (file or preset) to completion")
+    config_args(r)
+
+    v = sub.add_parser("validate", help="check a config and print the resolved topology")
+    config_args(v)
+    v.add_argument("--json", action="store_true", help="print the resolved topology as JSON")
+
+    b = sub.add_parser("bench", help="run a benchmark and print one JSON object")
+    b.add_argument("what", choices=BENCHES)
+    b.add_argument("--json", action="store_true", help="print JSON only (default: JSON too)")
+    b.add_argument("--config", default=None, help="topology file or preset (where relevant)")
+    b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    b.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+    b.add_argument("--out", default=None, help="also write the JSON to this file")
+
+    s = sub.add_parser("reward-serve", help="serve a Python reward function over HTTP or ZeroMQ")
+    s.add_argument("function", help="package.module:function")
+    s.add_argument("--protocol", choices=("http", "zmq"), default="http")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-batch", type=int, default=256)
+
+    d = sub.add_parser("demo", help="the built-in default job (what `make demo` runs)")
+    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return p
+
+
+def _call(target: str, args: argparse.Namespace) -> int:
+    """Import `module:function` and call it with the parsed args; it returns an exit code."""
+    module, func = target.split(":")
+    return int(getattr(importlib.import_module(module), func)(args) or 0)
+
+
+COMMANDS = {
+    "run": "hybridflow.pipeline.runner:cli_run",
+    "validate": "hybridflow.pipeline.runner:cli_validate",
+    "reward-serve": "hybridflow.reward.server:cli_serve",
+    "demo": "hybridflow.demo:cli_demo",
+}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    mod = importlib.import_module(f"hybridflow.bench.{args.what}")
+    result = mod.run(args)
+    text = json.dumps(result, indent=None if args.json else 2, sort_keys=False)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s",
+    )
+    try:
+        if args.cmd == "bench":
+            return _bench(args)
+        return _call(COMMANDS[args.cmd], args)
+    except HybridflowError as exc:
+        print(f"hybridflow: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hybridflow: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""The exception hierarchy of hybridflow, in one place.
+
+    HybridflowError
+     ├── ConfigError            bad config key or value; message names the dotted key path
+     └── PipelineError          anything that stops a run
+          ├── ProtocolError     a malformed / unknown / wrong-version message was received
+          ├── TransportTimeout  a send/recv/handshake waited longer than its setting allows
+          ├── PeerDeadError     a peer process died or stopped heartbeating
+          │    └── StageDeadError   ... and that peer was a stage (names stage/replica/step/mb)
+          ├── StageError        a stage raised; carries the remote traceback text
+          └── RewardServiceError an external reward service failed after its retries
+
+Lower-layer exceptions (zmq, msgspec, OSError) are translated into these in exactly one
+place each (`raise X(...) from exc`), so callers only ever catch hybridflow errors.
+"""
+
+from __future__ import annotations
+
+
+class HybridflowError(Exception):
+    """Base class of every error hybridflow raises on purpose."""
+
+
+class ConfigError(HybridflowError, ValueError):
+    """A configuration value is missing, unknown, of the wrong type or impossible.
+
+    `path` is the dotted key (`stages.reward.replicas`); the message says how to fix it.
+    """
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class PipelineError(HybridflowError):
+    """A run cannot go on."""
+
+
+class ProtocolError(PipelineError):
+    """Received bytes are not a valid hybridflow message. Never fatal for the receiver."""
+
+
+class TransportTimeout(PipelineError, TimeoutError):
+    """A wait exceeded its bound; the message names the setting that bounds it."""
+
+
+class PeerDeadError(PipelineError):
+    """A peer process exited or missed its heartbeats."""
+
+
+class StageDeadError(PeerDeadError):
+    """A stage process died or went silent.
+
+    Carries where it was: `stage`, `replica`, and the last `step` / `mb_id` it was given.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str = "",
+        replica: int = -1,
+        step: int | None = None,
+        mb_id: int | None = None,
+    ) -> None:
+        self.stage, self.replica, self.step, self.mb_id = stage, replica, step, mb_id
+        super().__init__(message)
+
+
+class StageError(PipelineError):
+    """A stage raised while handling an event; `remote_traceback` is its traceback text."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str = "",
+        replica: int = -1,
+        step: int | None = None,
+        mb_id: int | None = None,
+        remote_traceback: str = "",
+    ) -> None:
+        self.stage, self.replica, self.step, self.mb_id = stage, replica, step, mb_id
+        self.remote_traceback = remote_traceback
+        text = message
+        if remote_traceback:
+            text += "\n--- remote traceback ---\n" + remote_traceback.rstrip()
+        super().__init__(text)
+
+
+class RewardServiceError(PipelineError):
+    """An external reward service failed after retries (names service, status, sample ids)."""
