@@ -1,0 +1,1 @@
+"""Reward role backends: function, model (stages/reward/), http and zmq services."""
