@@ -2,6 +2,7 @@
 
     HybridflowError
      ├── ConfigError            bad config key or value; message names the dotted key path
+     ├── AlgorithmInputError    tensors/options handed to hybridflow.algos are malformed
      └── PipelineError          anything that stops a run
           ├── ProtocolError     a malformed / unknown / wrong-version message was received
           ├── TransportTimeout  a send/recv/handshake waited longer than its setting allows
@@ -30,6 +31,15 @@ class ConfigError(HybridflowError, ValueError):
     def __init__(self, path: str, message: str) -> None:
         self.path = path
         super().__init__(f"{path}: {message}" if path else message)
+
+
+class AlgorithmInputError(HybridflowError, ValueError):
+    """Tensors or options given to a `hybridflow.algos` function are malformed.
+
+    Wrong shapes, an empty mask where a statistic needs data, a group of one sample where
+    a baseline needs others, an unknown estimator / aggregation / KL kind. The message
+    names the function and the argument.
+    """
 
 
 class PipelineError(HybridflowError):
