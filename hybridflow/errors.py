@@ -10,6 +10,7 @@
           │    └── StageDeadError   ... and that peer was a stage (names stage/replica/step/mb)
           ├── StageError        a stage raised; carries the remote traceback text
           └── RewardServiceError an external reward service failed after its retries
+               └── RewardProtocolError  ... or answered with a reply that breaks the protocol
 
 Lower-layer exceptions (zmq, msgspec, OSError) are translated into these in exactly one
 place each (`raise X(...) from exc`), so callers only ever catch hybridflow errors.
@@ -100,3 +101,20 @@ class StageError(PipelineError):
 
 class RewardServiceError(PipelineError):
     """An external reward service failed after retries (names service, status, sample ids)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        service: str = "",
+        status: str = "",
+        sample_ids: tuple[str, ...] = (),
+    ) -> None:
+        self.service, self.status, self.sample_ids = service, status, sample_ids
+        super().__init__(message)
+
+
+class RewardProtocolError(RewardServiceError):
+    """A reward service's reply broke the wire schema (missing/extra/duplicate ids, wrong
+    count, NaN/inf, non-numbers, oversize, wrong version). Never retried, never a fallback
+    score: a service that speaks the protocol wrongly is a bug to fix, not an outage."""
