@@ -1,0 +1,202 @@
+"""The reward server SDK: turn a Python reward function into a conforming service.
+
+    from hybridflow.reward import serve
+    serve(my_reward, protocol="http", port=8000)        # blocks; Ctrl-C / SIGTERM stops it
+
+    hybridflow reward-serve mypkg.rewards:my_reward --protocol zmq --port 5555
+
+`serve` blocks until SIGINT/SIGTERM, then stops accepting, lets running requests finish
+(up to `grace_s`) and returns. `start_server` is the same without blocking, for
+embedding in an existing event loop (and for tests): it returns a `RunningServer` with
+the bound `address` (pass port=0 for a free port) and `aclose()`.
+
+The function contract is in app.py. It binds 127.0.0.1 unless `host` says otherwise:
+the protocol has no encryption, and the bearer token (HTTP) only keeps honest
+neighbours out.
+
+`cli_serve` loads `package.module:function` with importlib (never eval) and prints one
+line `hybridflow reward-serve: listening on <address>` on stdout when it is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Literal
+
+from hybridflow.errors import ConfigError
+from hybridflow.reward.app import RewardApp, RewardFn
+from hybridflow.reward.schema import DEFAULT_MAX_BODY_BYTES
+
+log = logging.getLogger("hybridflow.reward.server")
+
+Protocol = Literal["http", "zmq"]
+TOKEN_ENV = "HYBRIDFLOW_REWARD_TOKEN"  # the CLI reads the server's bearer token from here
+
+
+class RunningServer:
+    """A started server: `address` is what clients connect to."""
+
+    def __init__(self, core: RewardApp, front) -> None:
+        self.core, self._front = core, front
+
+    @property
+    def address(self) -> str:
+        return self._front.address
+
+    @property
+    def port(self) -> int:
+        return self._front.port
+
+    async def aclose(self) -> None:
+        try:
+            await self._front.aclose()
+        finally:
+            await self.core.aclose()
+
+    async def __aenter__(self) -> RunningServer:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+async def start_server(
+    fn: RewardFn,
+    protocol: Protocol = "http",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    max_batch: int = 256,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    concurrency: int = 8,
+    token: str | None = None,
+    grace_s: float = 10.0,
+) -> RunningServer:
+    core = RewardApp(
+        fn, max_batch=max_batch, max_body_bytes=max_body_bytes, concurrency=concurrency
+    )
+    if protocol == "http":
+        from hybridflow.reward.http_server import HttpServer
+
+        front = HttpServer(core, host, port, token, grace_s)
+    elif protocol == "zmq":
+        if token is not None:
+            raise ValueError("token applies to protocol='http' only")
+        from hybridflow.reward.zmq_server import ZmqServer
+
+        front = ZmqServer(core, host, port, grace_s)
+    else:
+        raise ValueError(f"protocol must be 'http' or 'zmq', got {protocol!r}")
+    await front.start()
+    return RunningServer(core, front)
+
+
+def serve(
+    fn: RewardFn,
+    protocol: Protocol = "http",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    max_batch: int = 256,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    concurrency: int = 8,
+    token: str | None = None,
+    grace_s: float = 10.0,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve `fn` until SIGINT/SIGTERM (signals are only caught on the main thread; from
+    another thread, cancel the loop instead). `on_ready(address)` runs once bound."""
+
+    async def main() -> None:
+        server = await start_server(
+            fn,
+            protocol,
+            host,
+            port,
+            max_batch=max_batch,
+            max_body_bytes=max_body_bytes,
+            concurrency=concurrency,
+            token=token,
+            grace_s=grace_s,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        caught = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+                caught.append(sig)
+        log.info("serving %s on %s", server.core.name, server.address)
+        if on_ready is not None:
+            on_ready(server.address)
+        try:
+            await stop.wait()
+            log.info("shutting down %s", server.address)
+        finally:
+            for sig in caught:
+                loop.remove_signal_handler(sig)
+            await server.aclose()
+
+    asyncio.run(main())
+
+
+def load_function(target: str) -> RewardFn:
+    """`package.module:function` (attribute path may be dotted) -> the callable."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError("function", f"expected package.module:function, got {target!r}")
+    # Like `python -m`, resolve modules relative to the working directory as well, so
+    # `hybridflow reward-serve rewards:fn` finds ./rewards.py from the console script.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError("function", f"cannot import module {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError("function", f"{target!r}: no attribute {part!r}") from None
+    if not callable(obj):
+        raise ConfigError("function", f"{target!r} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def cli_serve(args: argparse.Namespace) -> int:
+    """`hybridflow reward-serve package.module:function [--protocol] [--host] [--port]
+    [--max-batch]`; the HTTP bearer token, if any, comes from $HYBRIDFLOW_REWARD_TOKEN."""
+    fn = load_function(args.function)
+    if args.max_batch < 1:
+        raise ConfigError("--max-batch", f"must be >= 1, got {args.max_batch}")
+    token = os.environ.get(TOKEN_ENV) or None
+    if args.protocol == "http":
+        if args.host not in ("127.0.0.1", "localhost", "::1") and token is None:
+            log.warning("serving on %s without a bearer token (set %s)", args.host, TOKEN_ENV)
+    else:
+        token = None  # ZeroMQ has no token; it relies on binding to loopback
+
+    def ready(address: str) -> None:
+        print(f"hybridflow reward-serve: listening on {address}", flush=True)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        serve(
+            fn,
+            args.protocol,
+            args.host,
+            args.port,
+            max_batch=args.max_batch,
+            concurrency=getattr(args, "concurrency", 8),
+            token=token,
+            on_ready=ready,
+        )
+    return 0

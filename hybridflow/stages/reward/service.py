@@ -1,0 +1,217 @@
+"""Reward role backends that call an external service: `http` (JSON) and `zmq` (MessagePack).
+
+Consumes one micro-batch per `score` task:
+
+    prompt_ids     # [B, P] int   token ids (left or right padded)
+    prompt_mask    # [B, P] 0/1   optional; 1 = real token (else: prompt_lengths [B], else all)
+    response_ids   # [B, R] int
+    response_mask  # [B, R] 0/1   optional; else response_lengths [B], else all R tokens
+    any other [B]-shaped tensor   -> sent per sample in `metadata` under its name
+
+and produces `rewards  # [B] float32`, plus metrics `reward/service_failures` (samples
+that got the fallback score), `reward/service_retries`, `reward/service_requests`,
+`reward/service_latency_ms` (mean over answered requests), and `reward/info/<key>` (mean
+of each numeric `info` value the service returned).
+
+Text: with `options.tokenizer` (a local tokenizer directory) the prompt and response are
+decoded (special tokens skipped) and sent as text beside the ids; without one, `prompt`
+and `response` are empty strings and the service works on ids.
+
+Sample ids are `"<step>-<mb_id>-<row>"`: unique within a run, stable across retries.
+
+Threading: `Role.handle` runs in a worker thread of the stage process, outside any
+event loop. The role owns a private asyncio loop, created in `setup` and closed in
+`close`, and drives the client with `run_until_complete`; HTTP connections and the ZMQ
+socket live on that loop between micro-batches. The runtime calls `handle` from one
+thread at a time, which is all `run_until_complete` needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from hybridflow.config.loader import from_dict
+from hybridflow.errors import ConfigError
+from hybridflow.reward.client import ClientConfig, RewardClient, ScoreResult, make_client
+from hybridflow.reward.schema import Item
+from hybridflow.stages.base import Batch, Metrics, Params, StageContext
+
+_TOKEN_FIELDS = (
+    "prompt_ids",
+    "prompt_mask",
+    "prompt_lengths",
+    "response_ids",
+    "response_mask",
+    "response_lengths",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HttpOptions(ClientConfig):
+    url: str  # http://host:port/score
+    tokenizer: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZmqOptions(ClientConfig):
+    endpoint: str  # tcp://host:port
+    tokenizer: str | None = None
+
+
+class _ServiceReward:
+    """Shared body of HttpReward / ZmqReward; subclasses pick protocol and options."""
+
+    protocol: ClassVar[Literal["http", "zmq"]]
+    options_cls: ClassVar[type]
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: RewardClient | None = None
+        self._tokenizer = None
+
+    def setup(self, ctx: StageContext) -> None:
+        path = f"stages.{ctx.stage}.options"
+        opts = from_dict(self.options_cls, ctx.options, path)
+        address = opts.url if self.protocol == "http" else opts.endpoint
+        if opts.tokenizer:
+            self._tokenizer = _load_tokenizer(opts.tokenizer, f"{path}.tokenizer")
+        self._loop = asyncio.new_event_loop()
+        self._client = make_client(self.protocol, address, opts, path=path)
+        ctx.log.info("reward service %s (%s)", address, self.protocol)
+
+    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        if op != "score":
+            raise ValueError(
+                f"{self.protocol} reward backend has no op {op!r}; it only does 'score'"
+            )
+        if self._loop is None or self._client is None:
+            raise RuntimeError("handle() before setup()")
+        step, mb_id = int(params.get("step", 0)), int(params.get("mb_id", 0))
+        items = batch_to_items(batch, step=step, mb_id=mb_id, tokenizer=self._tokenizer)
+        result = self._loop.run_until_complete(self._client.score(items, step=step, mb_id=mb_id))
+        rewards = torch.tensor(result.rewards, dtype=torch.float32)  # [B]
+        return {"rewards": rewards}, _metrics(result)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def close(self) -> None:
+        if self._loop is None:
+            return
+        try:
+            if self._client is not None:
+                self._loop.run_until_complete(self._client.aclose())
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+        finally:
+            self._loop.close()
+            self._loop, self._client = None, None
+
+
+class HttpReward(_ServiceReward):
+    """`backend: http`: POST JSON batches to `options.url`."""
+
+    protocol = "http"
+    options_cls = HttpOptions
+
+
+class ZmqReward(_ServiceReward):
+    """`backend: zmq`: MessagePack batches over a DEALER socket to `options.endpoint`."""
+
+    protocol = "zmq"
+    options_cls = ZmqOptions
+
+
+def _metrics(result: ScoreResult) -> Metrics:
+    lat = result.latencies_ms
+    out: Metrics = {
+        "reward/service_failures": float(result.failures),
+        "reward/service_retries": float(result.retries),
+        "reward/service_requests": float(result.requests),
+        "reward/service_latency_ms": sum(lat) / len(lat) if lat else 0.0,
+    }
+    sums: dict[str, list[float]] = {}
+    for info in result.info.values():
+        for key, value in info.items():
+            numeric = isinstance(value, int | float) and not isinstance(value, bool)
+            if numeric and math.isfinite(value):
+                sums.setdefault(key, []).append(float(value))
+    for key, values in sums.items():
+        out[f"reward/info/{key}"] = sum(values) / len(values)
+    return out
+
+
+def _rows(ids: torch.Tensor, mask: torch.Tensor | None, lengths: torch.Tensor | None, name: str):
+    """Per row, the real tokens of `ids  # [B, T]` as a list of ints."""
+    if ids.dim() != 2:
+        raise ValueError(f"{name} must be [B, T], got shape {tuple(ids.shape)}")
+    b, t = ids.shape
+    if mask is not None:
+        if mask.shape != ids.shape:
+            raise ValueError(f"{name} mask shape {tuple(mask.shape)} != ids {tuple(ids.shape)}")
+        m = mask.bool()
+        return [ids[i][m[i]].tolist() for i in range(b)]
+    if lengths is not None:
+        if lengths.shape != (b,) or bool((lengths < 0).any()) or bool((lengths > t).any()):
+            raise ValueError(f"{name} lengths must be [B] in [0, {t}], got {lengths.tolist()}")
+        return [ids[i, : int(lengths[i])].tolist() for i in range(b)]
+    return ids.tolist()
+
+
+def batch_to_items(batch: Batch, *, step: int, mb_id: int, tokenizer=None) -> list[Item]:
+    """One wire `Item` per row of the micro-batch (see the module docstring for fields)."""
+    for key in ("prompt_ids", "response_ids"):
+        if key not in batch:
+            raise ValueError(f"reward service backend needs {key!r}; got {sorted(batch)}")
+    prompts = _rows(
+        batch["prompt_ids"], batch.get("prompt_mask"), batch.get("prompt_lengths"), "prompt_ids"
+    )
+    responses = _rows(
+        batch["response_ids"],
+        batch.get("response_mask"),
+        batch.get("response_lengths"),
+        "response_ids",
+    )
+    b = len(prompts)
+    if len(responses) != b:
+        raise ValueError(f"prompt_ids has {b} rows, response_ids {len(responses)}")
+    extra = {
+        k: v.tolist()
+        for k, v in batch.items()
+        if k not in _TOKEN_FIELDS and v.dim() == 1 and v.shape[0] == b
+    }
+    items = []
+    for i in range(b):
+        text_p = tokenizer.decode(prompts[i], skip_special_tokens=True) if tokenizer else ""
+        text_r = tokenizer.decode(responses[i], skip_special_tokens=True) if tokenizer else ""
+        items.append(
+            Item(
+                id=f"{step}-{mb_id}-{i}",
+                prompt=text_p,
+                response=text_r,
+                prompt_ids=prompts[i],
+                response_ids=responses[i],
+                metadata={k: v[i] for k, v in extra.items()},
+            )
+        )
+    return items
+
+
+def _load_tokenizer(path: str, key: str):
+    from pathlib import Path
+
+    if not Path(path).is_dir():
+        raise ConfigError(key, f"{path!r} is not a local tokenizer directory")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, f"cannot load a tokenizer from {path!r}: {exc}") from exc
