@@ -3,6 +3,7 @@
     HybridflowError
      ├── ConfigError            bad config key or value; message names the dotted key path
      ├── AlgorithmInputError    tensors/options handed to hybridflow.algos are malformed
+     ├── BatchError             a Batch/op/params handed to a role is malformed
      └── PipelineError          anything that stops a run
           ├── ProtocolError     a malformed / unknown / wrong-version message was received
           ├── TransportTimeout  a send/recv/handshake waited longer than its setting allows
@@ -41,6 +42,12 @@ class AlgorithmInputError(HybridflowError, ValueError):
     a baseline needs others, an unknown estimator / aggregation / KL kind. The message
     names the function and the argument.
     """
+
+
+class BatchError(HybridflowError, ValueError):
+    """A role was handed a malformed task: unknown op, missing batch field, wrong shape,
+    dtype or values (e.g. a prompt that is not left-padded). The message names the role,
+    the op and the field."""
 
 
 class PipelineError(HybridflowError):
