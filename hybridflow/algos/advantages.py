@@ -279,27 +279,62 @@ def _run_rpp_baseline(f: dict[str, Any], o: dict[str, Any]) -> AdvantageResult:
     )
 
 
-ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = {
-    s.name: s
-    for s in (
-        EstimatorSpec(
-            "gae", True, False, ("token_rewards", "values"), ("gamma", "lam", "whiten"), _run_gae
+def _spec(
+    name: str,
+    *,
+    critic: bool,
+    groups: bool,
+    inputs: tuple[str, ...],
+    options: tuple[str, ...],
+    run: Callable[..., AdvantageResult],
+) -> tuple[str, EstimatorSpec]:
+    return name, EstimatorSpec(name, critic, groups, inputs, options, run)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = dict(
+    (
+        _spec(
+            "gae",
+            critic=True,
+            groups=False,
+            inputs=("token_rewards", "values"),
+            options=("gamma", "lam", "whiten"),
+            run=_run_gae,
         ),
-        EstimatorSpec(
-            "grpo", False, True, ("scores", "group_index"), ("norm_std", "eps"), _run_grpo
+        _spec(
+            "grpo",
+            critic=False,
+            groups=True,
+            inputs=("scores", "group_index"),
+            options=("norm_std", "eps"),
+            run=_run_grpo,
         ),
-        EstimatorSpec("reinforce_pp", False, False, ("token_rewards",), ("gamma",), _run_rpp),
-        EstimatorSpec(
+        _spec(
+            "reinforce_pp",
+            critic=False,
+            groups=False,
+            inputs=("token_rewards",),
+            options=("gamma",),
+            run=_run_rpp,
+        ),
+        _spec(
             "reinforce_pp_baseline",
-            False,
-            True,
-            ("token_rewards", "group_index"),
-            ("gamma",),
-            _run_rpp_baseline,
+            critic=False,
+            groups=True,
+            inputs=("token_rewards", "group_index"),
+            options=("gamma",),
+            run=_run_rpp_baseline,
         ),
-        EstimatorSpec("rloo", False, True, ("scores", "group_index"), (), _run_rloo),
+        _spec(
+            "rloo",
+            critic=False,
+            groups=True,
+            inputs=("scores", "group_index"),
+            options=(),
+            run=_run_rloo,
+        ),
     )
-}
+)
 
 _ALL_OPTIONS = frozenset(o for s in ADVANTAGE_ESTIMATORS.values() for o in s.options)
 
