@@ -60,7 +60,9 @@ def _count(mask: torch.Tensor, dim: Dim, keepdim: bool) -> torch.Tensor:
     return m.sum(dim=dim, keepdim=keepdim)
 
 
-def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: bool = False):
+def masked_sum(
+    x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: bool = False
+) -> torch.Tensor:
     """Sum of `x` over valid positions. `x`, `mask`: same shape. An empty slice sums to 0."""
     check_same_shape("masked_sum", x=x, mask=mask)
     xz = zero_padding(x, mask)
