@@ -67,7 +67,7 @@ class ScoreRequest(msgspec.Struct, frozen=True):
     mb_id: int = 0
 
 
-class Reward(msgspec.Struct, frozen=True):
+class Reward(msgspec.Struct, frozen=True, omit_defaults=True):  # no "info": null on the wire
     id: SampleId
     reward: float  # JSON/msgpack number; ints accepted, bools and strings refused
     info: dict[str, Scalar] | None = None

@@ -4,6 +4,7 @@ tests.reward.reward_fns:<name>` (this module is imported by the server subproces
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 
 def length_reward(prompts, responses, prompt_ids, response_ids, metadata):
@@ -12,8 +13,12 @@ def length_reward(prompts, responses, prompt_ids, response_ids, metadata):
 
 
 async def slow_length_reward(prompts, responses, *, prompt_ids, response_ids, metadata):
-    """Async and keyword-only: sleeps metadata[0]["sleep_s"] seconds first."""
-    await asyncio.sleep(float(metadata[0].get("sleep_s", 0)) if metadata else 0)
+    """Async and keyword-only: creates the file metadata[0]["touch"] (if given) to say it
+    started, then sleeps metadata[0]["sleep_s"] seconds."""
+    first = metadata[0] if metadata else {}
+    if first.get("touch"):
+        Path(first["touch"]).write_text("started")
+    await asyncio.sleep(float(first.get("sleep_s", 0)))
     return [float(len(r)) for r in response_ids]
 
 

@@ -91,7 +91,7 @@ class StdlibHttpService(_Recorder):
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
         self._thread = threading.Thread(
-            target=self.httpd.serve_forever, name="stdlib-http", daemon=True
+            target=self.httpd.serve_forever, args=(0.05,), name="stdlib-http", daemon=True
         )
         self._thread.start()
 

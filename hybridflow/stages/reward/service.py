@@ -19,17 +19,20 @@ and `response` are empty strings and the service works on ids.
 
 Sample ids are `"<step>-<mb_id>-<row>"`: unique within a run, stable across retries.
 
-Threading: `Role.handle` runs in a worker thread of the stage process, outside any
-event loop. The role owns a private asyncio loop, created in `setup` and closed in
-`close`, and drives the client with `run_until_complete`; HTTP connections and the ZMQ
-socket live on that loop between micro-batches. The runtime calls `handle` from one
-thread at a time, which is all `run_until_complete` needs.
+Threading: `Role.handle` runs in a worker thread of the stage process. The role owns a
+private asyncio loop running in its own thread ("reward-<protocol>-loop"), created in
+`setup` and stopped and closed in `close`; `handle` submits the client's coroutine to it
+and blocks on the result. HTTP connections and the ZMQ socket live on that loop between
+micro-batches, and `handle`/`close` work from any thread, even one that runs an event
+loop of its own. The client's timeouts and retries bound every wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -70,7 +73,7 @@ class _ServiceReward:
     options_cls: ClassVar[type]
 
     def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: _LoopThread | None = None
         self._client: RewardClient | None = None
         self._tokenizer = None
 
@@ -80,8 +83,8 @@ class _ServiceReward:
         address = opts.url if self.protocol == "http" else opts.endpoint
         if opts.tokenizer:
             self._tokenizer = _load_tokenizer(opts.tokenizer, f"{path}.tokenizer")
-        self._loop = asyncio.new_event_loop()
         self._client = make_client(self.protocol, address, opts, path=path)
+        self._loop = _LoopThread(f"reward-{self.protocol}-loop")
         ctx.log.info("reward service %s (%s)", address, self.protocol)
 
     def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
@@ -93,7 +96,7 @@ class _ServiceReward:
             raise RuntimeError("handle() before setup()")
         step, mb_id = int(params.get("step", 0)), int(params.get("mb_id", 0))
         items = batch_to_items(batch, step=step, mb_id=mb_id, tokenizer=self._tokenizer)
-        result = self._loop.run_until_complete(self._client.score(items, step=step, mb_id=mb_id))
+        result = self._loop.run(self._client.score(items, step=step, mb_id=mb_id))
         rewards = torch.tensor(result.rewards, dtype=torch.float32)  # [B]
         return {"rewards": rewards}, _metrics(result)
 
@@ -108,11 +111,43 @@ class _ServiceReward:
             return
         try:
             if self._client is not None:
-                self._loop.run_until_complete(self._client.aclose())
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+                self._loop.run(self._client.aclose())
         finally:
             self._loop.close()
             self._loop, self._client = None, None
+
+
+class _LoopThread:
+    """An asyncio loop in a daemon thread; `run(coro)` blocks the caller until it is done."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        """Cancel what is left (a `handle` whose caller gave up), stop, join, close."""
+
+        async def cancel_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+            await self.loop.shutdown_asyncgens()
+
+        try:
+            self.run(cancel_rest())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+            self.loop.close()
 
 
 class HttpReward(_ServiceReward):
