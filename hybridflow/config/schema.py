@@ -1,0 +1,369 @@
+"""The topology schema: what a run is made of, as typed frozen dataclasses.
+
+A topology file (YAML) names
+  - `stages`: OS processes (times `replicas`), each hosting one or more *roles* (several =
+    colocated, sharing a device: the hybrid engine) with a `backend` and its `options`;
+  - `dataflow`: the step as an ordered list of ops `role.op(inputs) -> outputs`, each op
+    `scope: micro_batch` (streamed per micro-batch) or `scope: step` (behind the step
+    barrier: optimizer step, reshard, weight load). Role `driver` means "computed in the
+    coordinator process" (advantages and other cheap batch math);
+  - `data`: the prompt source and the value names it provides per sample;
+  - `run`: steps, samples per step, micro-batch size, `max_offpolicy_steps`, mode.
+
+Consumes plain data (via `loader.from_dict`); produces a validated `Topology`.
+Invariant: a `Topology` that exists passed every check here; checks that need the
+backend/data-source/driver registries (which live in stages/ and pipeline/) run in
+`hybridflow.pipeline.topology`, because config imports nothing from them.
+Every error is a `ConfigError` whose path is the dotted key and whose text says the fix.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hybridflow.config.loader import apply_overrides, from_dict, load_yaml
+from hybridflow.errors import ConfigError
+
+PRESET_DIR = Path(__file__).parent / "presets"
+DRIVER_ROLE = "driver"  # ops computed in the coordinator process, not in a stage
+# Keys the runtime puts into every Task's params; user params may not shadow them.
+RESERVED_PARAMS = ("step", "mb_id", "policy_version")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]{0,63}$")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+
+
+def _require(cond: bool, path: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(path, message)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _at_least(value: float, low: float, path: str) -> None:
+    _require(value >= low, path, f"must be >= {low}, got {value}")
+
+
+def _positive(value: float, path: str) -> None:
+    _require(value > 0, path, f"must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How long and how wide a run is, and how much the steps may overlap."""
+
+    steps: int = 1
+    step_batch: int = 8  # samples (rows from the data source) per step
+    micro_batch: int = 8  # samples per micro-batch: the unit of streaming
+    # 0 = strict on-policy: rollout of step s+1 waits for the step-s reshard.
+    # k > 0: step s may start once policy version s-k exists (rollout runs k versions ahead).
+    max_offpolicy_steps: int = 0
+    # streamed: micro-batch pipelining; sequential: each phase finishes the whole step first.
+    mode: Literal["streamed", "sequential"] = "streamed"
+    max_inflight: int = 2  # tasks queued or running per stage replica (>= 2 hides latency)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.step_batch // self.micro_batch
+
+    def validate(self, path: str) -> None:
+        for key in ("steps", "step_batch", "micro_batch", "max_inflight"):
+            _at_least(getattr(self, key), 1, _join(path, key))
+        _at_least(self.max_offpolicy_steps, 0, _join(path, "max_offpolicy_steps"))
+        if self.step_batch % self.micro_batch:
+            divisors = [d for d in range(1, self.step_batch + 1) if self.step_batch % d == 0]
+            raise ConfigError(
+                _join(path, "micro_batch"),
+                f"{self.micro_batch} does not divide run.step_batch {self.step_batch}; "
+                f"use one of {', '.join(map(str, divisors[:12]))}",
+            )
+        if self.mode == "sequential" and self.max_offpolicy_steps:
+            raise ConfigError(
+                _join(path, "max_offpolicy_steps"),
+                f"must be 0 when run.mode is 'sequential' (steps never overlap there), "
+                f"got {self.max_offpolicy_steps}",
+            )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where prompts come from. `source` names a registered data source (see
+    hybridflow.pipeline.data_source); `fields` are the per-sample values it provides,
+    which the dataflow may consume."""
+
+    source: str = "synthetic"
+    fields: tuple[str, ...] = ("prompt_ids",)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self, path: str) -> None:
+        _require(bool(self.fields), _join(path, "fields"), "must name at least one value")
+        for i, name in enumerate(self.fields):
+            _require(
+                bool(_IDENT.match(name)),
+                f"{path}.fields[{i}]",
+                f"{name!r} is not a valid value name (letters, digits, _)",
+            )
+        _require(len(set(self.fields)) == len(self.fields), _join(path, "fields"), "has duplicates")
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """One role hosted by a stage. `kind` picks the implementation family (defaults to the
+    role's name: rollout, actor, critic, reference, reward); `backend` picks the
+    implementation; `options` go to it verbatim (StageContext.options)."""
+
+    backend: str
+    kind: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One stage = `replicas` identical OS processes, each hosting every role listed.
+    `devices`: one device for all replicas, or a list with one device per replica."""
+
+    roles: dict[str, RoleConfig]
+    replicas: int = 1
+    devices: str | list[str] = "cpu"
+
+    def device_of(self, replica: int) -> str:
+        return self.devices if isinstance(self.devices, str) else self.devices[replica]
+
+    def validate(self, path: str) -> None:
+        _at_least(self.replicas, 1, _join(path, "replicas"))
+        _require(bool(self.roles), _join(path, "roles"), "must host at least one role")
+        for name in self.roles:
+            _require(
+                bool(_IDENT.match(name)) and name != DRIVER_ROLE,
+                _join(path, f"roles.{name}"),
+                f"{name!r} is not a valid role name"
+                + (
+                    f" ({DRIVER_ROLE!r} is reserved for coordinator ops)"
+                    if name == DRIVER_ROLE
+                    else ""
+                ),
+            )
+        devices = [self.devices] if isinstance(self.devices, str) else self.devices
+        for i, dev in enumerate(devices):
+            sub = _join(path, "devices") + ("" if isinstance(self.devices, str) else f"[{i}]")
+            _require(
+                bool(_DEVICE.match(dev)), sub, f"{dev!r} is not a device; use 'cpu' or 'cuda:N'"
+            )
+        if isinstance(self.devices, list) and len(self.devices) != self.replicas:
+            raise ConfigError(
+                _join(path, "devices"),
+                f"lists {len(self.devices)} device(s) for {self.replicas} replica(s); "
+                "give one device per replica or a single device string",
+            )
+
+
+@dataclass(frozen=True)
+class OpConfig:
+    """One dataflow op: `role.op(inputs) -> outputs` on each micro-batch or once per step.
+
+    A step-scoped op runs after every op listed before it has finished for the whole step
+    (the step barrier); it receives micro-batch values concatenated along dim 0 in mb
+    order, and micro-batch ops that consume its outputs get them sliced per micro-batch.
+    `phase` names the op in `timing/<phase>` metrics and groups ops for sequential mode.
+    """
+
+    role: str
+    op: str
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    scope: Literal["micro_batch", "step"] = "micro_batch"
+    phase: str = ""  # default: the op's name
+    params: dict[str, Any] = field(default_factory=dict)  # scalars, passed in Task.params
+
+    @property
+    def phase_name(self) -> str:
+        return self.phase or self.op
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}.{self.op}"
+
+    def validate(self, path: str) -> None:
+        _require(
+            bool(_IDENT.match(self.op)) or (self.role == DRIVER_ROLE and ":" in self.op),
+            _join(path, "op"),
+            f"{self.op!r} is not a valid op name (letters, digits, _)",
+        )
+        for key in ("inputs", "outputs"):
+            names = getattr(self, key)
+            for i, name in enumerate(names):
+                _require(
+                    bool(_IDENT.match(name)),
+                    f"{path}.{key}[{i}]",
+                    f"{name!r} is not a valid value name (letters, digits, _)",
+                )
+            _require(len(set(names)) == len(names), _join(path, key), "has duplicates")
+        for key, value in self.params.items():
+            sub = _join(path, f"params.{key}")
+            _require(key not in RESERVED_PARAMS, sub, "is set by the runtime; rename it")
+            _require(
+                value is None or isinstance(value, (bool, int, float, str)),
+                sub,
+                f"must be a scalar (number, string, bool, null), got {type(value).__name__}",
+            )
+
+
+@dataclass(frozen=True)
+class LivenessConfig:
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0  # silence longer than this = the stage is dead
+    startup_timeout_s: float = 120.0  # handshake + role setup (model loading) of every stage
+    shutdown_timeout_s: float = 5.0  # graceful exit before SIGTERM, then SIGKILL
+
+    def validate(self, path: str) -> None:
+        for key in ("heartbeat_interval_s", "startup_timeout_s", "shutdown_timeout_s"):
+            _positive(getattr(self, key), _join(path, key))
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                _join(path, "heartbeat_timeout_s"),
+                f"must be greater than liveness.heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), got {self.heartbeat_timeout_s}",
+            )
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    protocol: Literal["ipc", "tcp"] = "ipc"
+    ipc_dir: str = ""  # "" = a fresh temporary directory per run
+    host: str = "127.0.0.1"  # tcp: the coordinator binds here on a free port
+    hwm: int = 256
+    shm_threshold: int = 1 << 20  # tensors >= this many bytes go through /dev/shm
+
+    def validate(self, path: str) -> None:
+        _at_least(self.hwm, 1, _join(path, "hwm"))
+        _at_least(self.shm_threshold, 0, _join(path, "shm_threshold"))
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    # Names of registered sinks (hybridflow.pipeline.metrics): jsonl, memory, ...
+    backends: tuple[str, ...] = ("jsonl",)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A whole run: stages, the dataflow between them, sizes, liveness and transport."""
+
+    name: str
+    stages: dict[str, StageConfig]
+    dataflow: tuple[OpConfig, ...]
+    seed: int = 0
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    log_level: str = "WARNING"
+    run_dir: str = ""  # "" = runs/<name>
+
+    def validate(self, path: str) -> None:
+        _require(
+            bool(_NAME.match(self.name)),
+            _join(path, "name"),
+            f"{self.name!r} is not a valid name (letters, digits, _ and -; starts with a letter)",
+        )
+        _require(
+            self.log_level in LOG_LEVELS,
+            _join(path, "log_level"),
+            f"must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}",
+        )
+        _require(bool(self.stages), _join(path, "stages"), "must define at least one stage")
+        for stage in self.stages:
+            _require(
+                bool(_NAME.match(stage)),
+                _join(path, f"stages.{stage}"),
+                f"{stage!r} is not a valid stage name (letters, digits, _ and -)",
+            )
+        self._check_roles(path)
+        self._check_dataflow(path)
+
+    # -- cross-field checks -----------------------------------------------------------
+    def role_stage(self) -> dict[str, str]:
+        """role name -> the stage hosting it."""
+        return {role: stage for stage, cfg in self.stages.items() for role in cfg.roles}
+
+    def _check_roles(self, path: str) -> None:
+        seen: dict[str, str] = {}
+        for stage, cfg in self.stages.items():
+            for role in cfg.roles:
+                if role in seen:
+                    raise ConfigError(
+                        _join(path, f"stages.{stage}.roles.{role}"),
+                        f"role {role!r} is already hosted by stage {seen[role]!r}; "
+                        "a role lives in exactly one stage (use replicas to scale it)",
+                    )
+                seen[role] = stage
+
+    def _check_dataflow(self, path: str) -> None:
+        df = _join(path, "dataflow")
+        _require(bool(self.dataflow), df, "must list at least one op")
+        hosted = self.role_stage()
+        produced: dict[str, str] = {name: "data" for name in self.data.fields}
+        for i, op in enumerate(self.dataflow):
+            sub = f"{df}[{i}]"
+            if op.role != DRIVER_ROLE and op.role not in hosted:
+                raise ConfigError(
+                    f"{sub}.role",
+                    f"role {op.role!r} is hosted by no stage; add it under "
+                    f"stages.<name>.roles or use one of: "
+                    f"{', '.join([*sorted(hosted), DRIVER_ROLE])}",
+                )
+            for name in op.inputs:
+                if name not in produced:
+                    raise ConfigError(
+                        f"{sub}.inputs",
+                        f"value {name!r} is consumed by {op.label} before any op produces it; "
+                        f"available here: {', '.join(produced)}",
+                    )
+            for name in op.outputs:
+                if name in produced:
+                    raise ConfigError(
+                        f"{sub}.outputs",
+                        f"value {name!r} is already produced by {produced[name]}; "
+                        "every value has exactly one producer",
+                    )
+                produced[name] = f"{df}[{i}] ({op.label})"
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def resolve_config_path(source: str | Path) -> Path:
+    """A config argument is a file path or the name of a bundled preset."""
+    p = Path(source)
+    if p.is_file():
+        return p
+    preset = PRESET_DIR / f"{source}.yaml"
+    if preset.is_file():
+        return preset
+    raise ConfigError(
+        "",
+        f"config {str(source)!r} is neither a file nor a bundled preset; "
+        f"presets: {', '.join(preset_names()) or '(none)'}",
+    )
+
+
+def load_topology(
+    source: str | Path | dict[str, Any], overrides: tuple[str, ...] | list[str] = ()
+) -> Topology:
+    """File path, preset name or plain dict -> validated Topology (overrides applied first)."""
+    data = dict(source) if isinstance(source, dict) else load_yaml(resolve_config_path(source))
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+    return from_dict(Topology, data)
