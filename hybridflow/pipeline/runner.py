@@ -1,0 +1,224 @@
+"""Run a topology end to end: launch stages, coordinate, tear down; the CLI entry points.
+
+`run_topology(topo)` is the one way a run happens (CLI, benchmarks, tests, later the
+Python API): it binds the coordinator's ROUTER, starts one process per stage replica
+through a `Launcher`, runs the `Coordinator` and, whatever happens (success, error,
+Ctrl-C, SIGTERM), tears down in this order:
+    Shutdown to every stage -> close the socket -> launcher.stop (wait, TERM, KILL,
+    reap) -> sweep /dev/shm/hybridflow-<run_id>-* -> remove the ipc directory.
+Invariant: when `run_topology` returns or raises, no process and no shared-memory
+segment of the run is left.
+
+`cli_run` / `cli_validate` back `hybridflow run|validate CONFIG [--set k=v]`; errors
+propagate as HybridflowError (the CLI prints one line and exits 2; Ctrl-C exits 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config.loader import to_dict
+from hybridflow.config.schema import Topology, load_topology
+from hybridflow.errors import ConfigError, StageError
+from hybridflow.pipeline.coordinator import Coordinator, RunResult
+from hybridflow.pipeline.data_source import create_source
+from hybridflow.pipeline.launcher import Launcher, LocalLauncher, ProcessSpec
+from hybridflow.pipeline.metrics import MetricsSink, make_sinks
+from hybridflow.pipeline.topology import Plan, build_plan, describe, describe_text
+from hybridflow.transport import shm
+from hybridflow.transport.channel import Channel
+
+log = logging.getLogger("hybridflow.runner")
+
+STAGE_ENTRY = "hybridflow.pipeline.stage_process:main"
+
+
+def run_dir_of(topo: Topology) -> Path:
+    return Path(topo.run_dir or os.path.join("runs", topo.name))
+
+
+def run_topology(
+    topo: Topology,
+    *,
+    collect: Sequence[str] = (),
+    run_id: str | None = None,
+    sinks: Sequence[MetricsSink] = (),
+    launcher: Launcher | None = None,
+) -> RunResult:
+    """Run `topo` to completion and return its metrics/events. Raises HybridflowError."""
+    plan = build_plan(topo, check_devices=True)
+    run_id = run_id or uuid.uuid4().hex[:12]
+    run_dir = run_dir_of(topo)
+    launcher = launcher or LocalLauncher()
+    ipc_dir = _ipc_dir(topo, run_id)
+    all_sinks = make_sinks(topo.metrics.backends, run_dir) + list(sinks)
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            result = runner.run(
+                _amain(plan, run_id, run_dir, ipc_dir, launcher, all_sinks, tuple(collect))
+            )
+    finally:
+        result_exits = launcher.stop(topo.liveness.shutdown_timeout_s)
+        leaked = shm.sweep(run_id)
+        if leaked:
+            log.debug("swept %d shm segment(s) of run %s", len(leaked), run_id)
+        if ipc_dir:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+        for sink in all_sinks:
+            with contextlib.suppress(Exception):
+                sink.close()
+    result.exits = result_exits
+    return result
+
+
+async def _amain(
+    plan: Plan,
+    run_id: str,
+    run_dir: Path,
+    ipc_dir: str | None,
+    launcher: Launcher,
+    sinks: list[MetricsSink],
+    collect: tuple[str, ...],
+) -> RunResult:
+    topo = plan.topology
+    t = topo.transport
+    endpoint = f"ipc://{ipc_dir}/coordinator" if ipc_dir else f"tcp://{t.host}:0"
+    chan = Channel(
+        "router",
+        endpoint,
+        bind=True,
+        name="coordinator",
+        run_id=run_id,
+        hwm=t.hwm,
+        shm_threshold=t.shm_threshold,
+    )
+    source = create_source(topo.data, topo.seed)
+    coord = Coordinator(plan, chan, launcher, source, sinks, run_id=run_id, collect=collect)
+    _cancel_on_sigterm()
+    try:
+        launcher.start(_specs(plan, run_id, run_dir, chan.endpoint))
+        return await coord.run()
+    finally:
+        await coord.shutdown("run finished")
+        chan.close()
+        source.close()
+
+
+def _specs(plan: Plan, run_id: str, run_dir: Path, endpoint: str) -> list[ProcessSpec]:
+    topo_data = to_dict(plan.topology)
+    return [
+        ProcessSpec(
+            name=p.name,
+            target=STAGE_ENTRY,
+            payload={
+                "topology": topo_data,
+                "stage": p.stage,
+                "replica": p.replica,
+                "endpoint": endpoint,
+                "run_id": run_id,
+                "run_dir": str(run_dir),
+                "parent_pid": os.getpid(),
+            },
+            title=f"hf-{p.stage}-{p.replica}",
+        )
+        for p in plan.processes
+    ]
+
+
+def _ipc_dir(topo: Topology, run_id: str) -> str | None:
+    if topo.transport.protocol != "ipc":
+        return None
+    base = topo.transport.ipc_dir or None
+    if base:
+        Path(base).mkdir(parents=True, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"hf-{run_id[:8]}-", dir=base)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def _cancel_on_sigterm() -> None:
+    """SIGTERM takes the same teardown path as Ctrl-C (asyncio.Runner handles SIGINT)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    if task is not None:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+
+
+def _load(args: argparse.Namespace) -> Topology:
+    if not args.config:
+        raise ConfigError("", "give a config: a YAML file or a preset name")
+    return load_topology(args.config, list(getattr(args, "overrides", []) or []))
+
+
+def cli_validate(args: argparse.Namespace) -> int:
+    topo = _load(args)
+    plan = build_plan(topo)
+    note = ""
+    try:
+        build_plan(topo, check_devices=True)
+    except ConfigError as exc:
+        note = f"note: cannot run on this machine: {exc}"
+    if getattr(args, "json", False):
+        out: dict[str, Any] = describe(plan)
+        if note:
+            out["note"] = note
+        print(json.dumps(out, indent=2))
+    else:
+        print(describe_text(plan))
+        if note:
+            print(note)
+        print("ok")
+    return 0
+
+
+def cli_run(args: argparse.Namespace) -> int:
+    topo = _load(args)
+    try:
+        result = run_topology(topo)
+    except StageError as exc:
+        # The CLI prints the error as one line; show the remote traceback above it.
+        if exc.remote_traceback:
+            print("--- remote traceback ---\n" + exc.remote_traceback.rstrip(), file=sys.stderr)
+        raise StageError(
+            str(exc).split("\n--- remote traceback ---")[0],
+            stage=exc.stage,
+            replica=exc.replica,
+            step=exc.step,
+            mb_id=exc.mb_id,
+        ) from None
+    last = result.metrics[-1] if result.metrics else {}
+    print(
+        f"run {topo.name} ({result.run_id}): {len(result.metrics)} step(s) in {result.wall_s:.2f}s "
+        f"(+{result.startup_s:.2f}s startup), {result.tasks} tasks; "
+        f"last step {last.get('timing/step', 0.0):.3f}s"
+    )
+    if "jsonl" in topo.metrics.backends:
+        print(f"metrics: {run_dir_of(topo) / 'metrics.jsonl'}")
+    return 0

@@ -1,0 +1,323 @@
+"""One stage replica: an OS process hosting one or more roles, driven by the coordinator.
+
+Life cycle (`StageState`):
+  CONNECTING  DEALER connects to the coordinator's ROUTER; Hello(stage, replica, pid, roles,
+              config hash, schema version) -> Welcome within liveness.startup_timeout_s
+  SETUP       roles built (`create_role`) and `Role.setup(StageContext)` run in the worker
+              thread while heartbeats go on (model loading may take minutes)
+  READY       tasks are run one at a time, in arrival order, in the worker thread
+  STOPPING    Shutdown received (or the parent died): roles closed, sockets closed, exit
+
+Concurrency: the asyncio loop owns the socket (receive, heartbeat, send); all role code
+runs in ONE worker thread, so heartbeats keep flowing while a role computes and roles need
+no locks. A task that raises becomes a `Failure` message carrying the traceback text; the
+process keeps serving until the coordinator says Shutdown.
+
+Each task's `params` are the op's configured params plus `step`, `mb_id` and
+`policy_version` from the Task. Results carry `info["compute_s"]`, the seconds spent in
+`Role.handle`, which the coordinator reports per phase.
+
+Exit codes: 0 after Shutdown, 3 handshake rejected, 4 coordinator unreachable/gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.config.loader import config_hash, from_dict
+from hybridflow.config.schema import Topology
+from hybridflow.errors import HybridflowError
+from hybridflow.pipeline.topology import build_plan
+from hybridflow.stages import StageContext, create_role
+from hybridflow.stages.base import Role
+from hybridflow.transport.channel import Channel, Received
+from hybridflow.transport.protocol import (
+    Failure,
+    Heartbeat,
+    Hello,
+    Msg,
+    Result,
+    Shutdown,
+    Task,
+    Welcome,
+)
+
+log = logging.getLogger("hybridflow.stage")
+
+
+class StageState(enum.Enum):
+    CONNECTING = "connecting"
+    SETUP = "setup"
+    READY = "ready"
+    FAILED = "failed"  # setup raised; waiting for Shutdown
+    STOPPING = "stopping"
+
+
+def main(payload: dict[str, Any]) -> int:
+    """Entry point in the child (called by the launcher's bootstrap with plain data)."""
+    topo = from_dict(Topology, payload["topology"])
+    stage, replica = str(payload["stage"]), int(payload["replica"])
+    logging.basicConfig(
+        level=topo.log_level,
+        format=f"%(asctime)s %(levelname)s [{stage}/{replica}] %(name)s: %(message)s",
+        force=True,
+    )
+    proc = StageProcess(topo, stage, replica, payload)
+    code = asyncio.run(proc.run())
+    if proc.worker_stuck:
+        # A role is still computing in the worker thread; interpreter shutdown would join
+        # it forever. The coordinator asked us to go, so go now.
+        log.warning("worker thread still busy at exit; exiting without joining it")
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+class StageProcess:
+    def __init__(self, topo: Topology, stage: str, replica: int, payload: dict[str, Any]) -> None:
+        self.topo = topo
+        self.stage, self.replica = stage, replica
+        self.cfg = topo.stages[stage]
+        self.endpoint = str(payload["endpoint"])
+        self.run_id = str(payload["run_id"])
+        self.run_dir = Path(str(payload["run_dir"]))
+        self.parent_pid = int(payload.get("parent_pid", os.getppid()))
+        self.config_hash = config_hash(topo)
+        self.state = StageState.CONNECTING
+        self.roles: dict[str, Role] = {}
+        self.worker_stuck = False
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{stage}-{replica}-worker")
+        self._queue: asyncio.Queue[Received] = asyncio.Queue()
+        self._stop = asyncio.Event()
+        self._busy = False
+        self._hb_seq = 0
+
+    # ------------------------------------------------------------------------------
+    async def run(self) -> int:
+        t = self.topo.transport
+        self.chan = Channel(
+            "dealer",
+            self.endpoint,
+            bind=False,
+            name=f"stage {self.stage}/{self.replica}",
+            run_id=self.run_id,
+            identity=f"{self.stage}/{self.replica}".encode(),
+            hwm=t.hwm,
+            shm_threshold=t.shm_threshold,
+        )
+        tasks: list[asyncio.Task[Any]] = []
+        try:
+            code = await self._handshake()
+            if code:
+                return code
+            self.state = StageState.SETUP
+            tasks.append(asyncio.create_task(self._heartbeat_loop(), name="stage.heartbeat"))
+            tasks.append(asyncio.create_task(self._recv_loop(), name="stage.recv"))
+            if await self._setup_roles():
+                self.state = StageState.READY
+                await self._beat()  # tell the coordinator at once, not one interval later
+                tasks.append(asyncio.create_task(self._work_loop(), name="stage.work"))
+            else:
+                self.state = StageState.FAILED
+            await self._stop.wait()
+            return 0 if self.parent_alive() else 4
+        finally:
+            self.state = StageState.STOPPING
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._close_roles()
+            self.chan.close()
+
+    async def _handshake(self) -> int:
+        hello = Hello(
+            stage=self.stage,
+            replica=self.replica,
+            pid=os.getpid(),
+            roles=list(self.cfg.roles),
+            config_hash=self.config_hash,
+        )
+        timeout = self.topo.liveness.startup_timeout_s
+        await self.chan.send(hello, timeout=timeout, timeout_setting="liveness.startup_timeout_s")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                rx = await self.chan.recv(
+                    timeout=max(0.0, deadline - time.monotonic()),
+                    timeout_setting="liveness.startup_timeout_s",
+                )
+            except HybridflowError as exc:
+                log.error("no Welcome from the coordinator: %s", exc)
+                return 4
+            if isinstance(rx.msg, Welcome):
+                if not rx.msg.accepted:
+                    log.error("coordinator rejected this stage: %s", rx.msg.reason)
+                    return 3
+                return 0
+            if isinstance(rx.msg, Shutdown):
+                return 4
+
+    async def _setup_roles(self) -> bool:
+        plan = build_plan(self.topo)
+        device = torch.device(self.cfg.device_of(self.replica))
+        for name, rc in self.cfg.roles.items():
+            try:
+                self.roles[name] = create_role(rc.kind or name, rc.backend)
+            except Exception as exc:  # import errors of a backend land here
+                await self._fail_setup(name, exc)
+                return False
+        for name, rc in self.cfg.roles.items():
+            ctx = StageContext(
+                stage=self.stage,
+                replica=self.replica,
+                device=device,
+                seed=self.topo.seed,
+                run_dir=self.run_dir,
+                options=dict(rc.options),
+                colocated=self.roles,
+                world={
+                    "role": name,
+                    "kind": rc.kind or name,
+                    "replicas": self.cfg.replicas,
+                    "dataflow": plan.role_ops(name),
+                },
+                log=logging.getLogger(f"hybridflow.stage.{name}"),
+            )
+            try:
+                await self._in_worker(self.roles[name].setup, ctx)
+            except Exception as exc:
+                await self._fail_setup(name, exc)
+                return False
+        log.info("ready: roles %s on %s", ", ".join(self.roles), device)
+        return True
+
+    async def _fail_setup(self, role: str, exc: BaseException) -> None:
+        log.error("setup of role %s failed: %s", role, exc)
+        await self._send(self._failure(-1, -1, -1, role, "setup", exc))
+
+    # ------------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        try:
+            while True:
+                rx = await self.chan.recv()
+                if isinstance(rx.msg, Task):
+                    self._queue.put_nowait(rx)
+                elif isinstance(rx.msg, Shutdown):
+                    log.info("shutdown: %s", rx.msg.reason or "requested")
+                    self._stop.set()
+                    return
+        except HybridflowError as exc:
+            log.error("receive failed, stopping: %s", exc)
+            self._stop.set()
+
+    async def _work_loop(self) -> None:
+        try:
+            while True:
+                rx = await self._queue.get()
+                await self._run_task(rx.msg, rx.tensors)  # type: ignore[arg-type]
+        except HybridflowError as exc:  # cannot even report: the coordinator is gone
+            log.error("cannot send to the coordinator, stopping: %s", exc)
+            self._stop.set()
+
+    async def _run_task(self, task: Task, batch: dict[str, torch.Tensor]) -> None:
+        role = self.roles.get(task.role)
+        params = dict(task.params)
+        params.update(step=task.step, mb_id=task.mb_id, policy_version=task.policy_version)
+        t0 = time.perf_counter()
+        try:
+            if role is None:
+                raise KeyError(f"role {task.role!r} is not hosted here (have {list(self.roles)})")
+            outputs, metrics = await self._in_worker(role.handle, task.op, batch, params)
+            result = Result(
+                run_id=task.run_id,
+                task_id=task.task_id,
+                step=task.step,
+                mb_id=task.mb_id,
+                policy_version=task.policy_version,
+                role=task.role,
+                op=task.op,
+                metrics={str(k): float(v) for k, v in metrics.items()},
+                info={"compute_s": time.perf_counter() - t0},
+            )
+            await self._send(result, outputs)
+        except Exception as exc:
+            log.error(
+                "%s.%s step %d mb %d failed: %r", task.role, task.op, task.step, task.mb_id, exc
+            )
+            await self._send(
+                self._failure(task.task_id, task.step, task.mb_id, task.role, task.op, exc)
+            )
+
+    async def _in_worker(self, fn: Any, *args: Any) -> Any:
+        self._busy = True
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._busy = False
+
+    # ------------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        interval = self.topo.liveness.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            if not self.parent_alive():
+                log.error("parent process %d is gone; exiting", self.parent_pid)
+                self._stop.set()
+                return
+            await self._beat()
+
+    async def _beat(self) -> None:
+        self._hb_seq += 1
+        state = "busy" if self._busy and self.state is StageState.READY else self.state.value
+        msg = Heartbeat(stage=self.stage, replica=self.replica, seq=self._hb_seq, state=state)
+        await self._send(msg)
+
+    def parent_alive(self) -> bool:
+        return os.getppid() == self.parent_pid
+
+    async def _send(self, msg: Msg, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        timeout = self.topo.liveness.heartbeat_timeout_s
+        await self.chan.send(
+            msg, tensors, timeout=timeout, timeout_setting="liveness.heartbeat_timeout_s"
+        )
+
+    def _failure(
+        self, task_id: int, step: int, mb_id: int, role: str, op: str, exc: BaseException
+    ) -> Failure:
+        return Failure(
+            stage=self.stage,
+            replica=self.replica,
+            task_id=task_id,
+            step=step,
+            mb_id=mb_id,
+            role=role,
+            op=op,
+            error_type=type(exc).__name__,
+            message=str(exc)[:4000],
+            traceback="".join(traceback.format_exception(exc))[-16000:],
+        )
+
+    async def _close_roles(self) -> None:
+        timeout = self.topo.liveness.shutdown_timeout_s
+        for name, role in self.roles.items():
+            try:
+                await asyncio.wait_for(self._in_worker(role.close), timeout)
+            except TimeoutError:
+                self.worker_stuck = True
+                log.warning("role %s did not close within liveness.shutdown_timeout_s", name)
+                break
+            except Exception:
+                log.exception("role %s failed to close", name)
+        if not self.worker_stuck:
+            self._pool.shutdown(wait=False)

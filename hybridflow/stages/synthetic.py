@@ -1,0 +1,162 @@
+"""Synthetic backend: a role with a configurable cost and no model, for benchmarks and tests.
+
+Registered as backend `synthetic` for every role kind. It is NOT a learning component:
+it burns a configured amount of time per task and produces the outputs the dataflow
+declares for each op, derived deterministically from the inputs, so the runtime's
+streaming, ordering, barriers and failure handling can be measured and tested with real
+processes and real sockets, without models.
+
+Options (all optional):
+  ms_per_sample   cost per input row of a micro-batch op (default 0)
+  ms_per_task     fixed cost per task, micro-batch or step op (default 0)
+  work            "sleep" (idle wait: stands in for GPU time, lets stages overlap on a
+                  small CPU) or "busy" (spins a CPU core)
+  ops             per-op overrides, e.g. {reshard: {ms_per_task: 20}}
+  output_len      width of `*_ids` / `*_mask` outputs (default 4)
+  fail_at         {op, step, mb_id?}: raise RuntimeError there (error-path tests)
+  die_at          {op, step, mb_id?}: SIGKILL this process there (crash tests)
+  expect_ordered  [op, ...]: raise if those ops see the first column of their first
+                  input not strictly increasing across calls (order guarantees)
+
+Outputs: `tag` = first column of the first input as int64 (the input itself if 1-D;
+`[policy_version]` for an op without inputs), B = len(tag);
+  `*_ids` / `*_mask` -> int64 [B, output_len], column 0 = tag, column j = (31*tag + j) % 1000
+  anything else      -> float32 [B] = tag
+so with `sample_idx` as first input every output row names the sample it came from.
+Metrics: `<role>/rows`, `<role>/cost_ms`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+
+from hybridflow.stages.base import Batch, Metrics, Params, StageContext
+
+_OPTIONS = {
+    "ms_per_sample",
+    "ms_per_task",
+    "work",
+    "ops",
+    "output_len",
+    "fail_at",
+    "die_at",
+    "expect_ordered",
+}
+
+
+class SyntheticRole:
+    def setup(self, ctx: StageContext) -> None:
+        opts = dict(ctx.options)
+        unknown = sorted(set(opts) - _OPTIONS)
+        if unknown:
+            raise ValueError(f"synthetic: unknown option(s) {unknown}; known: {sorted(_OPTIONS)}")
+        self.name = str(ctx.world.get("role", "synthetic"))
+        self.dataflow: dict[str, dict[str, Any]] = dict(ctx.world.get("dataflow", {}))
+        self.work = opts.get("work", "sleep")
+        if self.work not in ("sleep", "busy"):
+            raise ValueError(f"synthetic: work must be 'sleep' or 'busy', got {self.work!r}")
+        self.default_cost = self._cost(opts, "options")
+        self.op_costs = {
+            op: self._cost(c, f"ops.{op}") for op, c in dict(opts.get("ops", {})).items()
+        }
+        self.output_len = int(opts.get("output_len", 4))
+        self.fail_at = opts.get("fail_at")
+        self.die_at = opts.get("die_at")
+        self.expect_ordered = set(opts.get("expect_ordered", []))
+        self._last_tag: dict[str, int] = {}
+
+    @staticmethod
+    def _cost(opts: dict[str, Any], where: str) -> tuple[float, float]:
+        per_sample = float(opts.get("ms_per_sample", 0.0))
+        per_task = float(opts.get("ms_per_task", 0.0))
+        if per_sample < 0 or per_task < 0:
+            raise ValueError(f"synthetic: {where}: costs must be >= 0")
+        return per_sample, per_task
+
+    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        spec = self.dataflow.get(op, {"inputs": list(batch), "outputs": [], "scope": "micro_batch"})
+        tag = self._tag(spec["inputs"], batch, params)
+        if op in self.expect_ordered:
+            self._check_order(op, tag, params)
+        self._inject(op, params)
+        per_sample, per_task = self.op_costs.get(op, self.default_cost)
+        rows = len(tag) if spec["scope"] == "micro_batch" else 0
+        cost_ms = per_task + per_sample * rows
+        self._spend(cost_ms / 1000.0)
+        outputs = {name: self._output(name, tag) for name in spec["outputs"]}
+        return outputs, {f"{self.name}/rows": float(len(tag)), f"{self.name}/cost_ms": cost_ms}
+
+    # ------------------------------------------------------------------------------
+    @staticmethod
+    def _tag(inputs: list[str], batch: Batch, params: Params) -> torch.Tensor:
+        if not inputs:
+            return torch.tensor([int(params.get("policy_version", 0))], dtype=torch.int64)
+        first = batch[inputs[0]]
+        col = first if first.dim() <= 1 else first.reshape(first.shape[0], -1)[:, 0]
+        return (
+            col.reshape(-1).round().to(torch.int64)
+            if col.is_floating_point()
+            else col.reshape(-1).to(torch.int64)
+        )
+
+    def _output(self, name: str, tag: torch.Tensor) -> torch.Tensor:
+        if name.endswith(("_ids", "_mask")):
+            j = torch.arange(self.output_len, dtype=torch.int64)
+            out = (31 * tag[:, None] + j[None, :]) % 1000
+            out[:, 0] = tag
+            return out
+        return tag.to(torch.float32)
+
+    def _check_order(self, op: str, tag: torch.Tensor, params: Params) -> None:
+        if tag.numel() == 0:
+            return
+        first, last = int(tag[0]), int(tag[-1])
+        prev = self._last_tag.get(op)
+        if (prev is not None and first <= prev) or bool((tag[1:] <= tag[:-1]).any()):
+            raise RuntimeError(
+                f"synthetic: {op} saw samples out of order at step {params.get('step')} "
+                f"mb {params.get('mb_id')}: first {first} after {prev}"
+            )
+        self._last_tag[op] = last
+
+    def _inject(self, op: str, params: Params) -> None:
+        if _matches(self.fail_at, op, params):
+            raise RuntimeError(
+                f"synthetic failure injected at {op} step {params.get('step')} mb {params.get('mb_id')}"
+            )
+        if _matches(self.die_at, op, params):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _spend(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if self.work == "sleep":
+            time.sleep(seconds)
+            return
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _matches(where: Any, op: str, params: Params) -> bool:
+    if not where:
+        return False
+    return (
+        where.get("op", op) == op
+        and where.get("step", params.get("step")) == params.get("step")
+        and where.get("mb_id", params.get("mb_id")) == params.get("mb_id")
+    )
