@@ -10,8 +10,9 @@
           ├── PeerDeadError     a peer process died or stopped heartbeating
           │    └── StageDeadError   ... and that peer was a stage (names stage/replica/step/mb)
           ├── StageError        a stage raised; carries the remote traceback text
-          └── RewardServiceError an external reward service failed after its retries
-               └── RewardProtocolError  ... or answered with a reply that breaks the protocol
+          ├── RewardServiceError an external reward service failed after its retries
+          │    └── RewardProtocolError  ... or answered with a reply that breaks the protocol
+          └── RewardFunctionError a Python reward function raised or returned bad values
 
 Lower-layer exceptions (zmq, msgspec, OSError) are translated into these in exactly one
 place each (`raise X(...) from exc`), so callers only ever catch hybridflow errors.
@@ -125,3 +126,12 @@ class RewardProtocolError(RewardServiceError):
     """A reward service's reply broke the wire schema (missing/extra/duplicate ids, wrong
     count, NaN/inf, non-numbers, oversize, wrong version). Never retried, never a fallback
     score: a service that speaks the protocol wrongly is a bug to fix, not an outage."""
+
+
+class RewardFunctionError(PipelineError):
+    """A reward function (`package.module:function`) raised, or returned a wrong number of
+    values or a NaN/inf/non-number. Names the function and the sample (row and id)."""
+
+    def __init__(self, message: str, *, function: str = "", sample: int | None = None) -> None:
+        self.function, self.sample = function, sample
+        super().__init__(message)
