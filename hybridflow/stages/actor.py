@@ -1,0 +1,318 @@
+"""The actor role (backend `hf`): the policy's training weights, its log-probs, its update,
+and the hand-off of its weights to the rollout engine (reshard).
+
+Ops (every batch uses the sequence layout of stages/common.py: prompt_ids/prompt_mask
+[B, P], response_ids/response_mask [B, R]):
+
+  get_logprob     -> old_logprobs [B, R] float32   log pi(token) under the current policy,
+                                                   logits / `temperature` (0 at padding)
+                     entropy      [B, R] float32   policy entropy per response position
+  update          + advantages    [B, R]           required
+                  + old_logprobs  [B, R]           optional (`old_logprob_key`); when
+                                                   absent, computed now (= the policy
+                                                   before this step's first update)
+                  + ref_logprobs  [B, R]           required iff kl_loss_coef > 0; else
+                                                   only reported as actor/kl
+                  -> {}  metrics: this micro-batch's actor/pg_loss, ... (streamed mode)
+  sft_update      supervised NLL of the response tokens (SFT-then-RL); -> {}
+  optimizer_step  (no batch) -> {}  metrics actor/pg_loss, actor/pg_clipfrac,
+                  actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy, actor/kl,
+                  actor/sft_loss (whichever ran), actor/grad_norm, actor/lr,
+                  actor/updates, actor/skipped_updates, actor/policy_version.
+                  These step-level numbers are the authoritative ones.
+  reshard         (colocated) push the weights into ctx.colocated[rollout_role] through
+                  its `update_weights((name, tensor) iterator, version)`, tensor by tensor,
+                  in place on the device (no host copy); -> {} + the rollout's metrics
+  export_weights  (disaggregated) params {bucket: int = -1} -> that bucket's
+                  {parameter name: tensor} on CPU (-1: all); metrics weights/num_buckets,
+                  weights/bytes. Buckets hold whole parameters, <= weight_bucket_mb each.
+
+How micro-batches, ppo_epochs and mini_batches map onto these events: see trainer.py.
+The loss: PPO clip (clip_ratio_low/high, dual_clip_c) - entropy_coef * entropy
++ kl_loss_coef * KL(kl_loss_type), all aggregated by `loss_agg_mode` (hybridflow.algos).
+
+Invariants: the policy version is the number of optimizer steps taken; weights leave
+detached; `state_dict` holds weights, optimizer, scheduler, RNG and the version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridflow.algos.kl import kl_estimate, kl_loss
+from hybridflow.algos.losses import aggregate, entropy_bonus, ppo_policy_loss
+from hybridflow.config.loader import from_dict
+from hybridflow.errors import BatchError, ConfigError
+from hybridflow.models.loader import ModelOptions
+from hybridflow.stages.base import Batch, Metrics, Params, StageContext
+from hybridflow.stages.common import (
+    build_model,
+    check_sequences,
+    chunked_no_grad,
+    model_state,
+    options_path,
+    response_logprobs,
+    row_chunks,
+    slice_rows,
+)
+from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
+
+
+@dataclass
+class ActorOptions(ModelOptions, TrainOptions):
+    temperature: float = 1.0  # logits / temperature before log-probs: match the rollout's
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float | None = None  # None: = clip_ratio_low
+    dual_clip_c: float | None = None  # > 1 enables dual-clip
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0  # > 0: KL to the reference as a loss term (GRPO)
+    kl_loss_type: str = "k3"  # k1 | k2 | k3 (or kl | mse | low_var_kl)
+    old_logprob_key: str = "old_logprobs"  # e.g. rollout_logprobs to use the sampler's
+    rollout_role: str = "rollout"  # colocated role that `reshard` writes into
+    weight_bucket_mb: float = 64.0
+    gradient_checkpointing: bool = False
+
+    def validate(self, path: str) -> None:
+        ModelOptions.validate(self, path)
+        TrainOptions.validate(self, path)
+        if self.temperature <= 0:
+            raise ConfigError(f"{path}.temperature", f"must be > 0, got {self.temperature}")
+        if self.kl_loss_type not in ("k1", "k2", "k3", "kl", "mse", "low_var_kl"):
+            raise ConfigError(f"{path}.kl_loss_type", "must be k1, k2 or k3")
+        if self.weight_bucket_mb <= 0:
+            raise ConfigError(f"{path}.weight_bucket_mb", "must be > 0")
+
+
+class Actor:
+    """Registered as ("actor", "hf")."""
+
+    def __init__(self) -> None:
+        self.opts: ActorOptions | None = None
+        self.model: Any = None
+        self.trainer: Trainer | None = None
+        self.version = 0
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.opts = from_dict(ActorOptions, dict(ctx.options), options_path(ctx))
+        self.device = ctx.device
+        self.tokenizer, self.model = build_model(ctx, self.opts, "causal_lm")
+        if self.opts.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+            self.model.train()  # HF only checkpoints in train mode; dropout is 0 anyway
+        self.trainer = Trainer(
+            self.model, self.opts, seed=ctx.seed + ctx.replica, prefix="actor", log=ctx.log
+        )
+
+    def close(self) -> None:
+        self.model = self.trainer = None
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.trainer is not None
+        return {
+            "model": model_state(self.model),
+            "trainer": self.trainer.state_dict(),
+            "version": self.version,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.trainer is not None
+        self.model.load_state_dict(state["model"])
+        self.trainer.load_state_dict(state["trainer"])
+        self.version = int(state["version"])
+
+    # -- ops -----------------------------------------------------------------------------
+    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        if self.trainer is None:
+            raise RuntimeError("Actor.handle before setup (or after close)")
+        if op == "get_logprob":
+            return self.get_logprob(batch), {}
+        if op == "update":
+            return {}, self.update(batch)
+        if op == "sft_update":
+            return {}, self.sft_update(batch)
+        if op == "optimizer_step":
+            return {}, self.optimizer_step()
+        if op == "reshard":
+            return {}, self.reshard(params.get("version"))
+        if op == "export_weights":
+            return self.export_weights(int(params.get("bucket", -1)))
+        raise BatchError(
+            f"actor: unknown op {op!r}; known: get_logprob, update, sft_update, "
+            "optimizer_step, reshard, export_weights"
+        )
+
+    def get_logprob(self, batch: Batch) -> Batch:
+        assert self.opts is not None
+        check_sequences(batch, "actor.get_logprob", self.model.config.vocab_size)
+        n = batch["response_ids"].shape[0]
+        lps, ents = [], []
+        with torch.no_grad():
+            for rows in row_chunks(n, self.opts.forward_batch_size):
+                lp, ent = response_logprobs(
+                    self.model, slice_rows(batch, rows), self.device, self.opts.temperature, True
+                )
+                assert ent is not None
+                lps.append(lp.float().cpu())
+                ents.append(ent.float().cpu())
+        return {"old_logprobs": torch.cat(lps), "entropy": torch.cat(ents)}
+
+    def _logprobs_no_grad(self, batch: Batch) -> torch.Tensor:
+        assert self.opts is not None
+        return chunked_no_grad(
+            lambda b: response_logprobs(self.model, b, self.device, self.opts.temperature)[0],
+            batch,
+            self.opts.forward_batch_size,
+        )
+
+    def update(self, batch: Batch) -> Metrics:
+        o, t = self.opts, self.trainer
+        assert o is not None and t is not None
+        where = "actor.update"
+        check_sequences(batch, where, self.model.config.vocab_size)
+        mb = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+        mask = batch["response_mask"]
+        mb["advantages"] = _field(batch, "advantages", mask, where)
+        if o.old_logprob_key in batch:
+            mb["old_logprobs"] = _field(batch, o.old_logprob_key, mask, where)
+        else:
+            # On-policy: the policy before this step's first update is the behaviour policy.
+            mb["old_logprobs"] = self._logprobs_no_grad(mb)
+        if "ref_logprobs" in batch:
+            mb["ref_logprobs"] = _field(batch, "ref_logprobs", mask, where)
+        elif o.kl_loss_coef > 0:
+            raise BatchError(f"{where}: kl_loss_coef > 0 needs `ref_logprobs` in the batch")
+        return t.add(mb, self._ppo_loss)
+
+    def sft_update(self, batch: Batch) -> Metrics:
+        assert self.trainer is not None
+        check_sequences(batch, "actor.sft_update", self.model.config.vocab_size)
+        return self.trainer.add(dict(batch), self._sft_loss)
+
+    def optimizer_step(self) -> Metrics:
+        assert self.trainer is not None
+        metrics = self.trainer.step()
+        self.version += 1
+        metrics["actor/policy_version"] = float(self.version)
+        return metrics
+
+    # -- losses (sum form; see trainer.py) -----------------------------------------------
+    def _ppo_loss(self, mb: Batch) -> tuple[torch.Tensor, int, dict[str, float]]:
+        o = self.opts
+        assert o is not None
+        dev, agg = self.device, o.loss_agg_mode
+        mask = mb["response_mask"].to(dev)
+        logprobs, entropy = response_logprobs(
+            self.model, mb, dev, o.temperature, with_entropy=True, entropy_grad=o.entropy_coef != 0
+        )
+        assert entropy is not None
+        count = denominator(mask, agg)
+        loss, st = ppo_policy_loss(
+            logprobs,
+            mb["old_logprobs"].to(dev, torch.float32),
+            mb["advantages"].to(dev, torch.float32),
+            mask,
+            o.clip_ratio_low,
+            o.clip_ratio_high,
+            o.dual_clip_c,
+            agg,
+            denom=1.0,
+        )
+        stats = {
+            "pg_loss": float(st["pg_loss"]) / max(count, 1),
+            "pg_clipfrac": float(st["pg_clipfrac"]),
+            "pg_clipfrac_lower": float(st["pg_clipfrac_lower"]),
+            "ppo_kl": float(st["ppo_kl"]),
+            "entropy": float(aggregate(entropy.detach(), mask, agg)),
+        }
+        if o.entropy_coef != 0:
+            bonus, _ = entropy_bonus(entropy, mask, o.entropy_coef, agg, denom=1.0)
+            loss = loss + bonus
+        if "ref_logprobs" in mb:
+            ref = mb["ref_logprobs"].to(dev, torch.float32)
+            if o.kl_loss_coef > 0:
+                term, kst = kl_loss(
+                    logprobs, ref, mask, o.kl_loss_coef, o.kl_loss_type, agg, denom=1.0
+                )
+                loss = loss + term
+                stats["kl"] = float(kst["kl_loss"]) / max(count, 1)
+            else:
+                with torch.no_grad():
+                    kl = kl_estimate(logprobs.detach(), ref, o.kl_loss_type, mask)
+                    stats["kl"] = float(aggregate(kl, mask, agg))
+        return loss, count, stats
+
+    def _sft_loss(self, mb: Batch) -> tuple[torch.Tensor, int, dict[str, float]]:
+        assert self.opts is not None
+        agg = self.opts.loss_agg_mode
+        mask = mb["response_mask"].to(self.device)
+        logprobs, _ = response_logprobs(self.model, mb, self.device)
+        count = denominator(mask, agg)
+        loss = aggregate(-logprobs, mask, agg, denom=1.0)
+        return loss, count, {"sft_loss": float(loss) / max(count, 1)}
+
+    # -- weights to the rollout engine ---------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, detached tensor on the training device), one parameter at a
+        time; tied parameters appear once. This is what `update_weights` consumes."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
+
+    def weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """The weights grouped into buckets of whole parameters, <= `bucket_bytes` each
+        (a parameter larger than that is a bucket of its own). Deterministic order."""
+        assert self.opts is not None
+        limit = bucket_bytes or int(self.opts.weight_bucket_mb * (1 << 20))
+        bucket: dict[str, torch.Tensor] = {}
+        size = 0
+        for name, t in self.named_weights():
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > limit:
+                yield bucket
+                bucket, size = {}, 0
+            bucket[name] = t
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def reshard(self, version: Any = None) -> Metrics:
+        assert self.opts is not None
+        target = self.ctx.colocated.get(self.opts.rollout_role)
+        if target is None or not hasattr(target, "update_weights"):
+            raise BatchError(
+                f"actor.reshard: no colocated rollout role {self.opts.rollout_role!r} with "
+                f"update_weights (colocated: {sorted(self.ctx.colocated)}); in a "
+                "disaggregated topology use export_weights -> rollout.load_weights"
+            )
+        v = self.version if version is None else int(version)
+        return dict(target.update_weights(self.named_weights(), version=v))
+
+    def export_weights(self, bucket: int) -> tuple[Batch, Metrics]:
+        buckets = list(self.weight_buckets())
+        if bucket >= len(buckets) or bucket < -1:
+            raise BatchError(f"actor.export_weights: bucket {bucket} of {len(buckets)}")
+        chosen = buckets if bucket == -1 else [buckets[bucket]]
+        out = {k: v.to("cpu", copy=True) for b in chosen for k, v in b.items()}
+        nbytes = sum(v.numel() * v.element_size() for v in out.values())
+        return out, {"weights/num_buckets": float(len(buckets)), "weights/bytes": float(nbytes)}
+
+
+def _field(batch: Batch, name: str, mask: torch.Tensor, where: str) -> torch.Tensor:
+    """A per-token float field [B, R], checked against `mask` [B, R]: finite where valid."""
+    if name not in batch:
+        raise BatchError(f"{where}: batch lacks {name!r}; it has {sorted(batch)}")
+    t = batch[name]
+    if t.shape != mask.shape:
+        raise BatchError(
+            f"{where}: {name} is {tuple(t.shape)}, expected {tuple(mask.shape)} (= response_ids)"
+        )
+    if not t.dtype.is_floating_point:
+        raise BatchError(f"{where}: {name} must be floating point, got {t.dtype}")
+    if not bool(torch.isfinite(t[mask.bool()]).all()):
+        raise BatchError(f"{where}: {name} holds NaN/inf at response tokens")
+    return t

@@ -1,0 +1,204 @@
+"""Shared pieces of the HF role backends: batch checks, the prompt+response forward, seeds.
+
+Every model-backed role sees sequences in one layout (the rollout's output):
+
+    prompt_ids     [B, P] int   left-padded        prompt_mask   [B, P] 0/1
+    response_ids   [B, R] int   right-padded       response_mask [B, R] 0/1
+
+The forward runs on `[prompt | response]` (length P + R) with the concatenated mask and
+position ids `cumsum(mask) - 1`, so padding on either side changes no real token's
+output. Response token t is predicted at position P - 1 + t; every per-token output
+(log-probs, entropy, values) is taken there and laid out [B, R], 0 at padding.
+
+Invariants: inputs are validated before any model call (a malformed batch is a
+BatchError naming role, op and field); outputs leave on CPU as float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from hybridflow.algos.losses import entropy_from_logits, logprobs_from_logits
+from hybridflow.algos.utils import zero_padding
+from hybridflow.errors import BatchError
+from hybridflow.models.loader import ModelKind, ModelOptions, load_model, load_tokenizer
+from hybridflow.stages.base import Batch, StageContext
+
+SEQUENCE_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
+def options_path(ctx: StageContext) -> str:
+    return f"stages.{ctx.stage}.options"
+
+
+def mix_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any parts (same parts, same seed, in every process)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def require(batch: Batch, names: Sequence[str], where: str) -> None:
+    """Raise BatchError unless every name is in `batch` and all share the batch dim."""
+    missing = [n for n in names if n not in batch]
+    if missing:
+        raise BatchError(f"{where}: batch lacks {missing}; it has {sorted(batch)}")
+    rows = {n: batch[n].shape[0] if batch[n].dim() else None for n in names}
+    if len(set(rows.values())) != 1 or None in rows.values():
+        raise BatchError(f"{where}: fields disagree on the batch size: {rows}")
+    if next(iter(rows.values())) == 0:
+        raise BatchError(f"{where}: empty batch (B = 0)")
+
+
+def check_sequences(batch: Batch, where: str, vocab_size: int | None = None) -> None:
+    """Validate the four sequence fields (module docstring layout)."""
+    require(batch, SEQUENCE_FIELDS, where)
+    for ids_name, mask_name in (("prompt_ids", "prompt_mask"), ("response_ids", "response_mask")):
+        ids, mask = batch[ids_name], batch[mask_name]
+        if ids.dim() != 2 or ids.shape != mask.shape:
+            raise BatchError(
+                f"{where}: {ids_name} {tuple(ids.shape)} and {mask_name} {tuple(mask.shape)} "
+                "must both be [B, T]"
+            )
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise BatchError(f"{where}: {ids_name} must be integer, got {ids.dtype}")
+        m = mask.to(torch.int64)
+        if not bool(((m == 0) | (m == 1)).all()):
+            raise BatchError(f"{where}: {mask_name} must hold only 0 and 1")
+        if vocab_size is not None:
+            valid = ids[m.bool()]
+            if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size):
+                raise BatchError(
+                    f"{where}: {ids_name} holds ids outside the vocabulary [0, {vocab_size})"
+                )
+    if not bool(batch["prompt_mask"].to(torch.int64).sum(-1).gt(0).all()):
+        raise BatchError(f"{where}: some rows have an empty prompt")
+
+
+def check_left_padded(mask: torch.Tensor, where: str) -> None:
+    m = mask.to(torch.int64)
+    bad = (m[:, 1:] < m[:, :-1]).any(dim=1)
+    if bool(bad.any()):
+        rows = torch.nonzero(bad).flatten().tolist()
+        raise BatchError(
+            f"{where}: prompts must be left-padded (mask 0..0 1..1); rows {rows[:8]} are not"
+        )
+
+
+def sequence_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """-> input_ids [B, P+R], attention_mask [B, P+R], position_ids [B, P+R]."""
+    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1).to(device, torch.int64)
+    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).to(device, torch.int64)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+def row_chunks(n: int, size: int) -> Iterator[slice]:
+    """Row slices of at most `size` rows (size <= 0: one slice)."""
+    step = n if size <= 0 else size
+    for i in range(0, n, step):
+        yield slice(i, min(i + step, n))
+
+
+def slice_rows(batch: Batch, rows: slice) -> Batch:
+    return {k: v[rows] for k, v in batch.items()}
+
+
+def _forward_kwargs(model: torch.nn.Module, keep: int) -> dict[str, Any]:
+    params = inspect.signature(model.forward).parameters
+    # `logits_to_keep` (transformers >= 4.50) computes the LM head on the last `keep`
+    # positions only: the prompt's logits are never materialised.
+    return {"logits_to_keep": keep} if "logits_to_keep" in params else {}
+
+
+def response_logits(
+    model: torch.nn.Module, batch: Batch, device: torch.device, temperature: float = 1.0
+) -> torch.Tensor:
+    """Logits that predict each response token: [B, R, V] (divided by `temperature`)."""
+    ids, mask, pos = sequence_inputs(batch, device)
+    r = batch["response_ids"].shape[1]
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        use_cache=False,
+        **_forward_kwargs(model, r + 1),
+    )
+    logits = out.logits[:, -(r + 1) : -1, :]  # position P-1+t predicts response token t
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    batch: Batch,
+    device: torch.device,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> logprobs [B, R] float32 of the response tokens (grad flows if enabled) and,
+    with `with_entropy`, the policy entropy [B, R] (with grad only if `entropy_grad`).
+    Both are 0 at padding."""
+    logits = response_logits(model, batch, device, temperature)
+    mask = batch["response_mask"].to(device)
+    logprobs = logprobs_from_logits(logits, batch["response_ids"].to(device), mask)
+    entropy = None
+    if with_entropy:
+        if entropy_grad:
+            entropy = entropy_from_logits(logits)
+        else:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach())
+        entropy = zero_padding(entropy, mask)
+    return logprobs, entropy
+
+
+def response_values(model: torch.nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+    """Critic values [B, R] float32: V(state before response token t), 0 at padding.
+
+    `model` is a token-classification model with one label (trunk + linear head)."""
+    ids, mask, pos = sequence_inputs(batch, device)
+    r = batch["response_ids"].shape[1]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    values = out.logits[:, -(r + 1) : -1, 0].float()
+    return zero_padding(values, batch["response_mask"].to(device))
+
+
+def chunked_no_grad(fn: Any, batch: Batch, size: int) -> torch.Tensor:
+    """Run `fn(sub_batch) -> [b, ...]` over row chunks under no_grad; concatenate on CPU."""
+    n = next(iter(batch.values())).shape[0]
+    with torch.no_grad():
+        parts = [fn(slice_rows(batch, sl)).detach().float().cpu() for sl in row_chunks(n, size)]
+    return torch.cat(parts, dim=0)
+
+
+def to_cpu(obj: Any) -> Any:
+    """A copy of nested dicts/lists/tuples with every tensor moved to CPU (checkpoints)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as CPU tensors (checkpoint form; tied weights appear once per name)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def build_model(
+    ctx: StageContext, opts: ModelOptions, kind: ModelKind = "causal_lm"
+) -> tuple[Any, torch.nn.Module]:
+    """Tokenizer + model of a role, on `ctx.device`. Random init is seeded with the run
+    seed (not seed + replica): every role that builds the same preset gets the same
+    initial weights (actor, reference and rollout start from one policy)."""
+    path = options_path(ctx)
+    tokenizer = load_tokenizer(opts.tokenizer, opts.model, f"{path}.tokenizer")
+    model = load_model(opts, tokenizer, kind=kind, device=ctx.device, seed=ctx.seed, path=path)
+    return tokenizer, model
