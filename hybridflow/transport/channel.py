@@ -4,41 +4,60 @@ Socket patterns and why:
   - coordinator <-> stage: ROUTER (coordinator binds) / DEALER (each stage connects).
     One socket carries both directions, the ROUTER knows every peer by identity, and
     ROUTER_MANDATORY turns a send to a vanished peer into `PeerDeadError` instead of a
-    silent drop.
+    silent drop. Both directions also carry the transport's own `Release` acks, so
+    large CPU tensors use pooled shared memory and CUDA IPC tensors are held until the
+    receiver is done.
   - stage -> stage streams (weights, bulk data): PUSH / PULL. One direction, no identities,
-    and PUSH blocks when the receiver's queue is full: backpressure for free.
+    and PUSH blocks when the receiver's queue is full: backpressure for free. No acks can
+    flow back, so shared memory is one-shot there.
 Backpressure everywhere: every socket has a bounded high-water mark (`hwm` messages); a
-DEALER/PUSH `send` then awaits until the peer drains. The coordinator additionally bounds
-in-flight tasks per stage, so its ROUTER never reaches the mark.
+DEALER/PUSH `send` then waits until the peer drains (a ROUTER send polls, since a ROUTER
+never reports "writable" per peer).
+
+How the socket meets asyncio (why not zmq.asyncio): a plain socket, its ZMQ_FD registered
+once with the loop, and every operation tried non-blocking first. A recv that finds a
+message costs no future at all; one that must wait costs one future and no task. This is
+what brings a small-message round trip between two processes near raw pyzmq latency.
+ZMQ_FD is edge-triggered: it only says "state may have changed", so waiters always
+re-read ZMQ_EVENTS, and any operation of ours wakes the other waiters to re-check.
 
 Invariants:
   - a malformed message never kills a receiver: `recv` logs it, counts it in
     `bad_messages` and waits for the next one;
-  - every wait is bounded by a timeout whose error names the setting to raise;
-  - `close()` releases every resource the channel owns (sockets, unclaimed shm).
+  - every wait is bounded by a timeout whose error names the setting to raise, and, with
+    a `PeerTable`, by the peers' heartbeat deadline (`PeerDeadError` names the peer);
+  - `Release` messages are consumed here, never returned by `recv`;
+  - `close()` releases every resource the channel owns (sockets, segments, held tensors).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import zmq
-import zmq.asyncio
 
-from hybridflow.errors import PeerDeadError, ProtocolError, TransportTimeout
+from hybridflow.errors import PeerDeadError, PipelineError, ProtocolError, TransportTimeout
 from hybridflow.transport import protocol
-from hybridflow.transport.protocol import Msg, TensorDesc
-from hybridflow.transport.tensors import DEFAULT_SHM_THRESHOLD, CudaTier, TensorCodec
+from hybridflow.transport.liveness import PeerTable
+from hybridflow.transport.protocol import Msg, Release, TensorDesc
+from hybridflow.transport.tensors import (
+    DEFAULT_SHM_POOL_BYTES,
+    DEFAULT_SHM_THRESHOLD,
+    CudaTier,
+    TensorCodec,
+)
 
 log = logging.getLogger(__name__)
 
 SocketKind = Literal["router", "dealer", "push", "pull"]
 _ZMQ_TYPES = {"router": zmq.ROUTER, "dealer": zmq.DEALER, "push": zmq.PUSH, "pull": zmq.PULL}
+_MAX_PARTS = protocol.MAX_FRAMES + 3  # identity + kind + header + buffers
 
 
 @dataclass
@@ -49,7 +68,12 @@ class Received:
 
 
 class Channel:
-    """One ZeroMQ socket plus the tensor codec of this endpoint."""
+    """One ZeroMQ socket plus the tensor codec of this endpoint.
+
+    `peers`: an optional liveness table (liveness.py). Every message marks its sender as
+    seen (key: ROUTER identity, or None for the single peer of other sockets), and waits
+    end with `PeerDeadError`/`StageDeadError` when a watched peer goes silent.
+    """
 
     def __init__(
         self,
@@ -63,21 +87,34 @@ class Channel:
         hwm: int = 256,
         shm_threshold: int = DEFAULT_SHM_THRESHOLD,
         cuda: CudaTier | None = None,
-        context: zmq.asyncio.Context | None = None,
+        context: zmq.Context | None = None,
+        peers: PeerTable | None = None,
+        shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES,
     ) -> None:
+        if kind not in _ZMQ_TYPES:
+            raise ValueError(f"channel {name}: socket kind {kind!r} not in {sorted(_ZMQ_TYPES)}")
         self.name = name
         self.kind = kind
+        self.peers = peers
         self.bad_messages = 0
-        self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(_ZMQ_TYPES[kind])
+        self._router = kind == "router"
+        self._ctx = context or zmq.Context.instance()
+        self._sock = zmq.Socket(self._ctx, _ZMQ_TYPES[kind])
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.RCVHWM, hwm)
-        if kind == "router":
+        if self._router:
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if identity is not None:
             self._sock.setsockopt(zmq.IDENTITY, identity)
-        self.codec = TensorCodec(run_id=run_id, shm_threshold=shm_threshold, cuda=cuda)
+        self.codec = TensorCodec(
+            run_id=run_id,
+            shm_threshold=shm_threshold,
+            cuda=cuda,
+            acks=kind in ("router", "dealer"),
+            shm_pool_bytes=shm_pool_bytes,
+            on_outbox=self._outbox_ready,
+        )
         try:
             if bind:
                 self._sock.bind(endpoint)
@@ -90,6 +127,11 @@ class Channel:
             self._sock.close(0)
             verb = "bind" if bind else "connect"
             raise PeerDeadError(f"channel {name}: cannot {verb} {endpoint}: {exc}") from exc
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+        self._flush_scheduled = False
+        self._send_lock = asyncio.Lock()
         self._closed = False
 
     # ------------------------------------------------------------------------------
@@ -102,32 +144,116 @@ class Channel:
         timeout: float | None = None,
         timeout_setting: str = "transport.send_timeout_s",
     ) -> None:
-        """Send `msg` with `tensors` beside it. `to` is required on a ROUTER."""
+        """Send `msg` with `tensors` beside it. `to` is required on a ROUTER.
+
+        Waits while the peer's queue is full (backpressure), at most `timeout` seconds.
+        """
+        loop = self._bind_loop()
+        frames, descs, peer = self._frames(msg, tensors, to)
+        sent = False
+        try:
+            if self.codec.has_outbox():
+                self._flush_outbox()
+            # FIFO: while an earlier send waits, later ones queue behind it, so messages
+            # leave in the order they were encoded (NCCL transfers depend on it).
+            if not self._send_lock.locked():
+                sent = self._try_send(frames)
+            if not sent:
+                async with self._send_lock:
+                    if not self._try_send(frames):
+                        await self._send_blocked(loop, frames, msg, timeout, timeout_setting)
+                    sent = True
+        finally:
+            if not sent:
+                self.codec.abort(descs, peer)
+        if descs:
+            self.codec.sent(descs, peer)
+
+    def try_send(self, msg: Msg, *, to: bytes | None = None) -> bool:
+        """Send `msg` (no tensors) only if the socket takes it now; False if it is full.
+
+        For heartbeats and acks: a message that cannot go now is skipped, never queued.
+        """
+        frames, _, _ = self._frames(msg, None, to)
+        return self._try_send(frames)
+
+    def _frames(
+        self, msg: Msg, tensors: Mapping[str, torch.Tensor] | None, to: bytes | None
+    ) -> tuple[list[Any], list[TensorDesc], Hashable]:
+        if self._closed:
+            raise PipelineError(f"channel {self.name} is closed")
+        if self.kind == "pull":
+            raise ValueError(f"channel {self.name}: a PULL socket cannot send")
+        if self._router and to is None:
+            raise ValueError(f"channel {self.name}: a ROUTER send needs `to=`")
+        peer = to if self._router else None
         descs: list[TensorDesc]
         buffers: list[Any]
-        descs, buffers = self.codec.encode(tensors) if tensors else ([], [])
-        frames: list[Any] = protocol.encode(msg, descs) + buffers
-        if self.kind == "router":
-            if to is None:
-                raise ValueError(f"channel {self.name}: a ROUTER send needs `to=`")
-            frames.insert(0, to)
+        descs, buffers = self.codec.encode(tensors, peer) if tensors else ([], [])
         try:
-            coro = self._sock.send_multipart(frames, copy=False)
-            if timeout is None:
-                await coro
-            else:
-                await asyncio.wait_for(coro, timeout)
-        except TimeoutError as exc:
-            raise TransportTimeout(
-                f"channel {self.name}: send of {type(msg).__name__} blocked for {timeout}s "
-                f"(peer not draining); raise `{timeout_setting}` if it is just slow"
-            ) from exc
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                peer = to.decode(errors="replace") if to else "?"
-                raise PeerDeadError(f"channel {self.name}: peer {peer!r} is not connected") from exc
-            raise PeerDeadError(f"channel {self.name}: send failed: {exc}") from exc
+            frames: list[Any] = protocol.encode(msg, descs)
+        except BaseException:
+            self.codec.abort(descs, peer)
+            raise
+        frames += buffers
+        if self._router:
+            frames.insert(0, to)
+        return frames, descs, peer
 
+    def _try_send(self, frames: list[Any]) -> bool:
+        """Send the whole multipart message now, or nothing (False: the queue is full)."""
+        sock = self._sock
+        last = len(frames) - 1
+        try:
+            sock.send(frames[0], zmq.NOBLOCK | (zmq.SNDMORE if last else 0))
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            raise self._send_error(exc, frames) from exc
+        # ZeroMQ checks the high-water mark on the first part only: the rest never blocks.
+        for i in range(1, last + 1):
+            f = frames[i]
+            sock.send(f, zmq.SNDMORE if i < last else 0, copy=not isinstance(f, memoryview))
+        if self._waiters:
+            self._loop.call_soon(self._wake)  # type: ignore[union-attr]
+        return True
+
+    async def _send_blocked(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        frames: list[Any],
+        msg: Msg,
+        timeout: float | None,
+        timeout_setting: str,
+    ) -> None:
+        deadline = None if timeout is None else loop.time() + timeout
+        pause = 0.0005
+        while True:
+            if self._router:
+                # A ROUTER is always "writable"; the per-peer queue is what is full: poll.
+                if deadline is not None and loop.time() >= deadline:
+                    break
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.02)
+                self._check_peers()
+                if self._try_send(frames):
+                    return
+            elif not await self._wait(loop, zmq.POLLOUT, deadline):
+                break
+            elif self._try_send(frames):
+                return
+        raise TransportTimeout(
+            f"channel {self.name}: send of {type(msg).__name__} blocked for {timeout}s "
+            f"(peer not draining); raise `{timeout_setting}` if it is just slow"
+        )
+
+    def _send_error(self, exc: zmq.ZMQError, frames: list[Any]) -> PipelineError:
+        if exc.errno == zmq.EHOSTUNREACH:
+            peer = bytes(frames[0]).decode(errors="replace") if self._router else "?"
+            return PeerDeadError(f"channel {self.name}: peer {peer!r} is not connected")
+        return PeerDeadError(f"channel {self.name}: send failed: {exc}")
+
+    # ------------------------------------------------------------------------------
     async def recv(
         self,
         timeout: float | None = None,
@@ -135,38 +261,187 @@ class Channel:
         timeout_setting: str = "transport.recv_timeout_s",
     ) -> Received:
         """Next valid message. Malformed ones are logged and skipped, never raised."""
-        loop = asyncio.get_running_loop()
+        loop = self._bind_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
-            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            if self.codec.has_outbox():
+                self._flush_outbox()
+            frames = self._try_recv()
+            if frames is None:
+                if not await self._wait(loop, zmq.POLLIN, deadline):
+                    raise TransportTimeout(
+                        f"channel {self.name}: nothing received for {timeout}s; "
+                        f"raise `{timeout_setting}` if the peer is just slow"
+                    )
+                continue
             try:
-                coro = self._sock.recv_multipart(copy=False)
-                frames = await (coro if remaining is None else asyncio.wait_for(coro, remaining))
-            except TimeoutError as exc:
-                raise TransportTimeout(
-                    f"channel {self.name}: nothing received for {timeout}s; "
-                    f"raise `{timeout_setting}` if the peer is just slow"
-                ) from exc
-            try:
-                return self._decode(frames)
+                got = self._decode(frames)
             except ProtocolError as exc:
                 self.bad_messages += 1
                 log.warning("channel %s: dropped malformed message: %s", self.name, exc)
+                continue
+            if self.peers is not None:
+                self.peers.seen(got.peer, got.msg)
+                self._check_peers()
+            if isinstance(got.msg, Release):
+                self.codec.on_release(got.peer, got.msg)
+                continue
+            return got
+
+    def _try_recv(self) -> list[Any] | None:
+        sock = self._sock
+        try:
+            first = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        except zmq.ZMQError as exc:
+            raise PeerDeadError(f"channel {self.name}: receive failed: {exc}") from exc
+        frames: list[Any] = [first]
+        # Identity, kind and header are small: bytes are cheapest. Tensor frames stay zmq
+        # Frames (no copy until the codec copies them once into tensor memory).
+        n_small = 3 if self._router else 2
+        while sock.getsockopt(zmq.RCVMORE):
+            part = sock.recv(0, copy=len(frames) < n_small)
+            if len(frames) <= _MAX_PARTS:  # beyond: drain but drop; decode rejects it
+                frames.append(part)
+        return frames
 
     def _decode(self, frames: list[Any]) -> Received:
         peer = None
-        if self.kind == "router":
-            peer = frames[0].bytes
+        if self._router:
+            peer = frames[0]
             frames = frames[1:]
         msg, descs, buffers = protocol.decode(frames)
-        tensors = self.codec.decode(descs, buffers) if descs else {}
+        tensors = self.codec.decode(descs, buffers, peer) if descs else {}
         return Received(msg, tensors, peer)
+
+    # ------------------------------------------------------------------------------
+    # asyncio glue
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            if self._closed:
+                raise PipelineError(f"channel {self.name} is closed")
+            self._unbind_loop()
+            loop.add_reader(self._fd, self._on_readable)
+            self._loop = loop
+        return loop
+
+    def _unbind_loop(self) -> None:
+        old, self._loop = self._loop, None
+        if old is not None and not old.is_closed():
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
+                old.remove_reader(self._fd)
+
+    def _on_readable(self) -> None:
+        if self._closed:
+            return
+        self._sock.getsockopt(zmq.EVENTS)  # re-arms the edge-triggered fd
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _wait(
+        self, loop: asyncio.AbstractEventLoop, flag: int, deadline: float | None
+    ) -> bool:
+        """Wait until the socket may have `flag` (True: the caller retries its operation,
+        which may still find nothing) or `deadline` passes (False); raise PeerDeadError if
+        a watched peer dies meanwhile."""
+        if self._closed:
+            raise PipelineError(f"channel {self.name} is closed")
+        # Reading EVENTS re-arms the fd: only after this may we sleep on it.
+        if self._sock.getsockopt(zmq.EVENTS) & flag:
+            return True
+        now = loop.time()
+        if deadline is not None and now >= deadline:
+            return False
+        wake_at = deadline
+        if self.peers is not None:
+            self._check_peers()
+            peer_deadline = self.peers.next_deadline()
+            if peer_deadline is not None:
+                at = now + max(0.0, peer_deadline - self.peers.clock()) + 1e-3
+                wake_at = at if wake_at is None else min(wake_at, at)
+        fut = loop.create_future()
+        self._waiters.append(fut)
+        if wake_at is None:
+            await fut
+        else:
+            timer = loop.call_at(wake_at, _resolve, fut)
+            try:
+                await fut
+            finally:
+                timer.cancel()
+        if self._closed:
+            raise PipelineError(f"channel {self.name} is closed")
+        if self.peers is not None:
+            self._check_peers()
+        return (
+            deadline is None
+            or loop.time() < deadline
+            or bool(self._sock.getsockopt(zmq.EVENTS) & flag)
+        )
+
+    def _check_peers(self) -> None:
+        if self.peers is None:
+            return
+        dead = self.peers.pop_dead()
+        if dead is not None:
+            info, error = dead
+            self.forget_peer(info.key, info.pid)
+            raise error
+
+    def forget_peer(self, peer: Hashable, pid: int | None = None) -> None:
+        """`peer` is dead: free what is held for it, sweep its leftover shared memory."""
+        self.codec.forget_peer(peer, pid)
+
+    # ------------------------------------------------------------------------------
+    # acks (Release) out
+
+    def _outbox_ready(self) -> None:
+        # Called from tensor finalizers, in any thread: only schedule, never touch the socket.
+        loop = self._loop
+        if loop is None or self._closed or self._flush_scheduled:
+            return
+        self._flush_scheduled = True
+        try:
+            loop.call_soon_threadsafe(self._flush_outbox)
+        except RuntimeError:  # loop closed: the next operation (or close) flushes
+            self._flush_scheduled = False
+
+    def _flush_outbox(self) -> None:
+        self._flush_scheduled = False
+        if self._closed:
+            return
+        for peer, rel in self.codec.take_outbox():
+            if self._router and peer is None:
+                continue
+            try:
+                frames = protocol.encode(rel)
+                if self._router:
+                    frames.insert(0, peer)
+                if not self._try_send(frames):
+                    log.debug("channel %s: ack to %r deferred (queue full)", self.name, peer)
+                    self.codec.requeue(peer, rel)
+            except PipelineError as exc:  # the peer is gone: nothing to ack any more
+                log.debug("channel %s: ack to %r dropped: %s", self.name, peer, exc)
 
     # ------------------------------------------------------------------------------
     def close(self) -> None:
         if self._closed:
             return
+        try:
+            self._flush_outbox()  # best effort: let peers reuse what we were sent
+        except Exception as exc:  # never let close fail
+            log.debug("channel %s: final ack flush failed: %s", self.name, exc)
         self._closed = True
+        self._unbind_loop()
+        self._wake()
         self._sock.close(linger=0)
         self.codec.close()
 
@@ -179,3 +454,8 @@ class Channel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -31,6 +31,10 @@ MAX_HEADER_BYTES = 1 << 20  # 1 MiB: headers are descriptors and small metadata 
 MAX_FRAMES = 4096
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+MAX_NDIM = 64
+# One tensor dimension / stride: bounded so that products stay far from int64 overflow.
+Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
+Shape = Annotated[list[Dim], msgspec.Meta(max_length=MAX_NDIM)]
 Ident = Annotated[str, msgspec.Meta(max_length=256)]
 # Scalars allowed in free-form parameter / metric maps (no nested objects: keeps decoding cheap
 # and the schema honest; structured data gets its own field).
@@ -83,12 +87,24 @@ class FrameRef(msgspec.Struct, tag="frame", frozen=True):
     index: NonNeg
 
 
-class ShmRef(msgspec.Struct, tag="shm", frozen=True):
-    """Bytes are in POSIX shared memory `name` at `offset`. The receiver unlinks it."""
+# Only hybridflow's own segments can be named: a peer can never make a receiver open or
+# unlink any other file in /dev/shm (no '/', fixed prefix).
+ShmName = Annotated[str, msgspec.Meta(pattern=r"^hybridflow-[A-Za-z0-9_.\-]{1,200}$")]
 
-    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.\-]{1,200}$")]
+
+class ShmRef(msgspec.Struct, tag="shm", frozen=True):
+    """Bytes are in POSIX shared memory `name` at `offset`. The receiver unlinks the name
+    when it first maps the segment.
+
+    `lease` 0: a one-shot segment, freed when the receiver's tensors are gone.
+    `lease` > 0: a pooled segment the sender reuses; the receiver keeps it mapped and sends
+    `Release(leases=[lease])` once its tensors over this message are gone.
+    """
+
+    name: ShmName
     offset: NonNeg
     segment_bytes: NonNeg
+    lease: NonNeg = 0
 
 
 class CudaIpcRef(msgspec.Struct, tag="cuda_ipc", frozen=True):
@@ -104,8 +120,8 @@ class CudaIpcRef(msgspec.Struct, tag="cuda_ipc", frozen=True):
     ref_counter_offset: NonNeg
     event_handle: bytes
     event_sync_required: bool
-    stride: list[int]
-    offset: NonNeg
+    stride: Shape  # element strides of the tensor inside its storage
+    offset: NonNeg  # element offset of the tensor inside its storage
 
 
 class NcclRef(msgspec.Struct, tag="nccl", frozen=True):
@@ -123,7 +139,7 @@ Location = FrameRef | ShmRef | CudaIpcRef | NcclRef
 class TensorDesc(msgspec.Struct, frozen=True):
     name: Ident
     dtype: DType
-    shape: list[NonNeg]
+    shape: Shape
     nbytes: NonNeg
     where: Location
 
@@ -163,6 +179,7 @@ class Heartbeat(Msg, frozen=True):
     replica: NonNeg
     seq: NonNeg
     state: Ident = "ready"
+    pid: NonNeg = 0  # lets a survivor sweep the dead peer's shared memory (shm.sweep_pid)
 
 
 class Task(Msg, frozen=True):
@@ -212,10 +229,18 @@ class Failure(Msg, frozen=True):
 
 
 class Release(Msg, frozen=True):
-    """Receiver -> sender: done with these CUDA IPC tensors; the sender may free them."""
+    """Transport-internal resource acks; `Channel.recv` consumes these, callers never see them.
+
+    receiver -> sender: `ids` CUDA IPC tensors and `leases` pooled shm leases it is done with,
+    `unopened` CUDA IPC ids it never opened (its decoding failed: the sender returns their
+    shares itself); sender -> receiver: `segments` pooled shm segments the sender retired.
+    """
 
     KIND: ClassVar[Kind] = Kind.RELEASE
     ids: list[NonNeg]
+    leases: list[NonNeg] = []
+    segments: list[ShmName] = []
+    unopened: list[NonNeg] = []
 
 
 class Shutdown(Msg, frozen=True):

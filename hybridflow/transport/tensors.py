@@ -1,29 +1,41 @@
 """Tensor payloads beside a message: pick a tier per tensor, describe it, rebuild it.
 
 Tiers (chosen automatically, per tensor):
-  1. CPU, < `shm_threshold` bytes -> an extra ZeroMQ frame, sent zero-copy (the frame
-     holds a reference to the tensor's memory until ZeroMQ has sent it);
-  2. CPU, >= `shm_threshold` -> one POSIX shared-memory segment per message (shm.py);
-  3. CUDA, same host -> CUDA IPC handle (cuda_ipc.py), when the channel allows it;
-  4. CUDA, GPU to GPU -> NCCL send/recv (nccl.py), when the channel has a process group.
+  1. CPU, < `shm_threshold` bytes -> an extra ZeroMQ frame (sent zero-copy from 64 KiB up:
+     do not modify a sent tensor in place until the peer has it);
+  2. CPU, >= `shm_threshold` -> POSIX shared memory (shm.py): on a channel with acks
+     (ROUTER/DEALER) a pooled, always-mapped segment per peer, released by the receiver's
+     `Release(leases=...)`; otherwise (PUSH/PULL, or the pool is full) a one-shot segment;
+  3. CUDA, same host -> CUDA IPC handle (cuda_ipc.py), when the channel has that tier;
+  4. CUDA, GPU to GPU -> NCCL send/recv (nccl.py), when the channel has that tier.
 A CUDA tensor on a channel with neither is staged through CPU (tiers 1-2) so any
 channel can carry any tensor.
 
-Received tensors are always writable, contiguous, and own nothing the sender can change.
+Received CPU tensors are writable and contiguous; tier 1 tensors own their memory, tier 2
+tensors view the segment (zero-copy) and the sender never writes a segment again before
+the receiver's tensors over it are gone.
+
+Acks: the codec queues `Release` messages (to the sending peer: leases/ids whose tensors
+died; to the receiving peer: pooled segments we retired) in an outbox; the channel sends
+them (`take_outbox`) and feeds received ones back (`on_release`). Finalizers may run in
+any thread, so the outbox is locked and `on_outbox` is how the channel gets woken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from hybridflow.errors import ProtocolError
+from hybridflow.errors import PipelineError, ProtocolError
 from hybridflow.transport import shm
-from hybridflow.transport.protocol import FrameRef, ShmRef, TensorDesc
+from hybridflow.transport.protocol import CudaIpcRef, FrameRef, Release, ShmRef, TensorDesc
 
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -44,79 +56,176 @@ for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 DEFAULT_SHM_THRESHOLD = 1 << 20  # below 1 MiB a frame copy is cheaper than shm syscalls
+DEFAULT_SHM_POOL_BYTES = 1 << 30  # per peer; only the high-water mark of real use is mapped
 _ALIGN = 64
+
+Peer = Hashable  # a ROUTER identity (bytes), or None for the one peer of a DEALER/PUSH/PULL
 
 
 class CudaTier(Protocol):
-    """Seam for tiers 3-4 (CUDA IPC / NCCL); see cuda_ipc.py and nccl.py."""
+    """Seam for tiers 3-4 (CUDA IPC / NCCL); see cuda_ipc.py and nccl.py.
 
-    def export(self, name: str, tensor: torch.Tensor) -> TensorDesc | None: ...
-    def import_(self, desc: TensorDesc) -> torch.Tensor: ...
+    sender:   `export` (None: let the codec stage the tensor through CPU), then `sent`
+              once the message left, or `cancel` if it never will; `release` when the
+              receiver acks; `forget_peer` when it died.
+    receiver: `import_`; if `zero_copy`, the codec acks (`Release.ids`) when the tensor dies,
+              otherwise at once.
+    """
+
+    zero_copy: bool
+
+    def export(self, name: str, tensor: torch.Tensor, peer: Peer = None) -> TensorDesc | None: ...
+    def sent(self, peer: Peer, descs: Sequence[TensorDesc]) -> None: ...
+    def cancel(self, peer: Peer, desc: TensorDesc) -> None: ...
+    def release(self, peer: Peer, ids: Sequence[int], *, opened: bool = True) -> None: ...
+    def forget_peer(self, peer: Peer) -> None: ...
+    def import_(self, desc: TensorDesc, peer: Peer = None) -> torch.Tensor: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Acks:
+    ids: list[int] = field(default_factory=list)
+    leases: list[int] = field(default_factory=list)
+    segments: list[str] = field(default_factory=list)
+    unopened: list[int] = field(default_factory=list)
 
 
 @dataclass
 class TensorCodec:
-    """Per-endpoint encoder/decoder. One instance per channel; not shared across processes."""
+    """Per-endpoint encoder/decoder. One instance per channel; not shared across processes.
+
+    `acks`: the channel can carry `Release` back to the sender (ROUTER/DEALER). Only then
+    are pooled shm segments used and CUDA IPC tensors held until the receiver is done.
+    """
 
     run_id: str = "local"
     shm_threshold: int = DEFAULT_SHM_THRESHOLD
     cuda: CudaTier | None = None
+    acks: bool = False
+    shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES
+    on_outbox: Callable[[], None] | None = None  # called (any thread) when acks are queued
 
     def __post_init__(self) -> None:
         self._writer = shm.ShmWriter(self.run_id)
+        self._pool = shm.ShmPool(self.run_id, self.shm_pool_bytes)
+        self._reader = shm.ShmReader()
+        self._outbox: dict[Peer, _Acks] = {}
+        self._lock = threading.Lock()
+        self._closed = False
 
     # -- sending ---------------------------------------------------------------------
-    def encode(self, tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorDesc], list[Any]]:
+    def encode(
+        self, tensors: Mapping[str, torch.Tensor], peer: Peer = None
+    ) -> tuple[list[TensorDesc], list[Any]]:
+        """Descriptors and extra frames for `tensors`, going to `peer`.
+
+        If the message is then not sent, call `abort(descs, peer)` to free what this made.
+        """
         descs: list[TensorDesc] = []
         frames: list[Any] = []
         big: list[tuple[str, torch.Tensor]] = []
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"tensor {name!r} is {type(t).__name__}, expected torch.Tensor")
-            if t.is_cuda and self.cuda is not None:
-                desc = self.cuda.export(name, t)
-                if desc is not None:
-                    descs.append(desc)
+        try:
+            for name, t in tensors.items():
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"tensor {name!r} is {type(t).__name__}, expected torch.Tensor")
+                if t.is_cuda and self.cuda is not None:
+                    desc = self.cuda.export(name, t, peer)
+                    if desc is not None:
+                        descs.append(desc)
+                        continue
+                t = t.detach()
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                t = t.contiguous()
+                nbytes = t.numel() * t.element_size()
+                if nbytes >= self.shm_threshold:
+                    big.append((name, t))
                     continue
-            t = t.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            t = t.contiguous()
-            nbytes = t.numel() * t.element_size()
-            if nbytes >= self.shm_threshold:
-                big.append((name, t))
-                continue
-            descs.append(_desc(name, t, FrameRef(index=len(frames))))
-            frames.append(_byte_view(t))
-        if big:
-            descs.extend(self._encode_shm(big))
+                descs.append(_desc(name, t, FrameRef(index=len(frames))))
+                frames.append(_byte_view(t))
+            if big:
+                descs.extend(self._encode_shm(big, peer))
+        except BaseException:
+            self.abort(descs, peer)
+            raise
         return descs, frames
 
-    def _encode_shm(self, big: list[tuple[str, torch.Tensor]]) -> list[TensorDesc]:
+    def _encode_shm(self, big: list[tuple[str, torch.Tensor]], peer: Peer) -> list[TensorDesc]:
         offsets, total = [], 0
         for _, t in big:
             offsets.append(total)
             total += _round_up(t.numel() * t.element_size(), _ALIGN)
-        name = self._writer.write(
-            ((off, _byte_view(t)) for off, (_, t) in zip(offsets, big, strict=True)), total
-        )
+        got = self._pool.acquire(peer, total) if self.acks and total else None
+        try:
+            if got is not None:
+                seg, lease = got
+                for off, (_, t) in zip(offsets, big, strict=True):
+                    n = t.numel() * t.element_size()
+                    if n:  # torch's copy: parallel and as fast as a local memcpy
+                        seg.bytes[off : off + n].copy_(_flat_bytes(t))
+                self._pool.mark_sent(seg)
+                name, size = seg.name, seg.size
+            else:
+                lease = 0
+                name = self._writer.write(
+                    ((off, _byte_view(t)) for off, (_, t) in zip(offsets, big, strict=True)), total
+                )
+                size = total
+        except OSError as exc:
+            if got is not None:
+                self._pool.cancel(peer, got[1])
+            raise PipelineError(
+                f"cannot write {total} bytes of tensors to shared memory: {exc}; is /dev/shm "
+                "full? enlarge it or raise `transport.shm_threshold` to send by frames"
+            ) from exc
         return [
-            _desc(n, t, ShmRef(name=name, offset=off, segment_bytes=total))
+            _desc(n, t, ShmRef(name=name, offset=off, segment_bytes=size, lease=lease))
             for off, (n, t) in zip(offsets, big, strict=True)
         ]
 
+    def abort(self, descs: Sequence[TensorDesc], peer: Peer = None) -> None:
+        """A message with these descriptors was never sent: free what `encode` made."""
+        for d in descs:
+            w = d.where
+            if isinstance(w, ShmRef):
+                if w.lease:
+                    self._pool.cancel(peer, w.lease)
+                else:
+                    self._writer.discard(w.name)
+            elif not isinstance(w, FrameRef) and self.cuda is not None:
+                self.cuda.cancel(peer, d)
+
+    def sent(self, descs: Sequence[TensorDesc], peer: Peer = None) -> None:
+        """The message with `descs` left the socket (in order): let the CUDA tier act
+        (NCCL posts its sends now). Without acks no Release will ever come for CUDA IPC
+        tensors, so they are let go at once (torch's share count keeps them valid)."""
+        if self.cuda is None:
+            return
+        cuda_descs = [d for d in descs if not isinstance(d.where, FrameRef | ShmRef)]
+        if not cuda_descs:
+            return
+        self.cuda.sent(peer, cuda_descs)
+        if not self.acks:
+            ids = [d.where.id for d in cuda_descs if isinstance(d.where, CudaIpcRef)]
+            if ids:
+                self.cuda.release(peer, ids)
+
     def pending_shm(self) -> list[str]:
+        """One-shot segments created and not yet claimed by a receiver (debugging/tests)."""
         return self._writer.pending()
 
-    def close(self) -> None:
-        """Release every resource this endpoint still owns (unclaimed shm segments)."""
-        self._writer.close()
+    def shm_pool_in_flight(self, peer: Peer = None) -> int:
+        return self._pool.in_flight(peer)
 
     # -- receiving -------------------------------------------------------------------
-    def decode(self, descs: list[TensorDesc], buffers: list[Any]) -> dict[str, torch.Tensor]:
-        """Rebuild tensors. Raises ProtocolError for descriptors that do not add up."""
+    def decode(
+        self, descs: list[TensorDesc], buffers: list[Any], peer: Peer = None
+    ) -> dict[str, torch.Tensor]:
+        """Rebuild tensors sent by `peer`. Raises ProtocolError for descriptors that do not
+        add up; every resource named in `descs` is released even then."""
         out: dict[str, torch.Tensor] = {}
-        segments: dict[str, Any] = {}
+        bases: dict[tuple[str, int], torch.Tensor] = {}  # (segment, lease) -> [bytes] uint8
         try:
             for d in descs:
                 dtype = DTYPES.get(d.dtype)
@@ -130,44 +239,155 @@ class TensorCodec:
                     )
                 w = d.where
                 if isinstance(w, FrameRef):
-                    out[d.name] = _from_buffer(_frame_view(buffers[w.index]), dtype, d.shape, copy=True)
+                    out[d.name] = _copy_frame(buffers[w.index], dtype, d.shape)
                 elif isinstance(w, ShmRef):
-                    if w.name not in segments:
-                        segments[w.name] = _open(w)
-                    seg = segments[w.name]
-                    view = memoryview(seg)[w.offset : w.offset + d.nbytes] if seg else b""
-                    out[d.name] = _from_buffer(view, dtype, d.shape, copy=False)
+                    key = (w.name, w.lease)
+                    if key not in bases:
+                        bases[key] = self._map(w, peer)
+                    base = bases[key]
+                    if d.nbytes == 0:
+                        out[d.name] = torch.empty(d.shape, dtype=dtype)
+                    else:
+                        raw = base[w.offset : w.offset + d.nbytes]
+                        out[d.name] = raw.view(dtype).reshape(d.shape)
                 else:
-                    if self.cuda is None:
-                        raise ProtocolError(
-                            f"tensor {d.name!r} uses tier {type(w).__name__}, "
-                            "which this channel was not set up for"
-                        )
-                    out[d.name] = self.cuda.import_(d)
+                    out[d.name] = self._import_cuda(d, peer)
         except ProtocolError:
+            self._release_unmapped(descs, bases, out, peer)
             raise
-        except (OSError, ValueError, RuntimeError) as exc:
+        except (OSError, ValueError, RuntimeError, TypeError) as exc:
+            self._release_unmapped(descs, bases, out, peer)
             raise ProtocolError(f"cannot rebuild tensors: {exc}") from exc
-        finally:
-            # Every segment named in a message is unlinked even if decoding failed half-way.
-            for d in descs:
-                if isinstance(d.where, ShmRef) and d.where.name not in segments:
-                    _discard(d.where.name)
         return out
 
+    def _map(self, w: ShmRef, peer: Peer) -> torch.Tensor:
+        """A uint8 tensor over segment `w` whose death releases it (pooled) or unmaps it."""
+        try:
+            if w.lease:
+                m = self._reader.get(peer, w.name, w.segment_bytes)
+            else:
+                m = shm.open_segment(w.name, w.segment_bytes)
+        except FileNotFoundError as exc:
+            raise ProtocolError(f"shm segment {w.name} does not exist (sender gone?)") from exc
+        if m is None:
+            return torch.empty(0, dtype=torch.uint8)
+        view = memoryview(m)
+        if w.lease and self.acks:
+            # Every tensor of this message views `view`; its death is the receiver's ack.
+            fin = weakref.finalize(view, self._queue, peer, "leases", w.lease)
+            fin.atexit = False
+        return torch.frombuffer(view, dtype=torch.uint8)
 
-def _open(ref: ShmRef):
-    try:
-        return shm.open_segment(ref.name, ref.segment_bytes)
-    except FileNotFoundError as exc:
-        raise ProtocolError(f"shm segment {ref.name} does not exist (sender gone?)") from exc
+    def _import_cuda(self, d: TensorDesc, peer: Peer) -> torch.Tensor:
+        if self.cuda is None:
+            raise ProtocolError(
+                f"tensor {d.name!r} uses tier {type(d.where).__name__}, "
+                "which this channel was not set up for"
+            )
+        t = self.cuda.import_(d, peer)
+        if isinstance(d.where, CudaIpcRef) and self.acks:
+            if getattr(self.cuda, "zero_copy", True):
+                fin = weakref.finalize(t, self._queue, peer, "ids", d.where.id)
+                fin.atexit = False
+            else:
+                self._queue(peer, "ids", d.where.id)
+        return t
+
+    def _release_unmapped(
+        self,
+        descs: list[TensorDesc],
+        bases: dict[tuple[str, int], torch.Tensor],
+        done: dict[str, torch.Tensor],
+        peer: Peer,
+    ) -> None:
+        # Decoding failed half-way: segments we never mapped are unlinked / their leases
+        # acked now; mapped ones are acked by their finalizer once `bases` is dropped.
+        # CUDA IPC handles we never opened go back as `unopened` (the sender returns the
+        # shares; we never touch ref-counter files named by a message we just rejected).
+        for d in descs:
+            w = d.where
+            if isinstance(w, CudaIpcRef) and d.name not in done and self.acks:
+                self._queue(peer, "unopened", w.id)
+            if isinstance(w, ShmRef) and (w.name, w.lease) not in bases:
+                bases[(w.name, w.lease)] = torch.empty(0)  # once per segment
+                if w.lease:
+                    if self.acks:
+                        self._queue(peer, "leases", w.lease)
+                else:
+                    _discard(w.name)
+
+    # -- acks ------------------------------------------------------------------------
+    def _queue(self, peer: Peer, what: str, value: Any) -> None:
+        """Queue an ack for `peer` (any thread; also from finalizers)."""
+        if self._closed:
+            return
+        with self._lock:
+            acks = self._outbox.setdefault(peer, _Acks())
+            getattr(acks, what).append(value)
+        cb = self.on_outbox
+        if cb is not None:
+            cb()
+
+    def take_outbox(self) -> list[tuple[Peer, Release]]:
+        """The Release messages to send now, one per peer."""
+        for peer, names in self._pool.take_all_retired():
+            with self._lock:
+                self._outbox.setdefault(peer, _Acks()).segments.extend(names)
+        with self._lock:
+            box, self._outbox = self._outbox, {}
+        return [
+            (peer, Release(ids=a.ids, leases=a.leases, segments=a.segments, unopened=a.unopened))
+            for peer, a in box.items()
+        ]
+
+    def requeue(self, peer: Peer, rel: Release) -> None:
+        """Put back a Release the socket could not take now (sent with the next flush)."""
+        with self._lock:
+            acks = self._outbox.setdefault(peer, _Acks())
+            acks.ids.extend(rel.ids)
+            acks.leases.extend(rel.leases)
+            acks.segments.extend(rel.segments)
+            acks.unopened.extend(rel.unopened)
+
+    def has_outbox(self) -> bool:
+        return bool(self._outbox) or self._pool.has_retired()
+
+    def on_release(self, peer: Peer, msg: Release) -> None:
+        """Apply a Release received from `peer`."""
+        if msg.leases:
+            self._pool.release(peer, msg.leases)
+        if msg.segments:
+            self._reader.retire(peer, msg.segments)
+        if self.cuda is not None:
+            if msg.ids:
+                self.cuda.release(peer, msg.ids)
+            if msg.unopened:
+                self.cuda.release(peer, msg.unopened, opened=False)
+
+    def forget_peer(self, peer: Peer, pid: int | None = None) -> None:
+        """`peer` is dead: drop everything held for it or from it; sweep its segments."""
+        self._pool.drop_peer(peer)
+        self._reader.drop_peer(peer)
+        with self._lock:
+            self._outbox.pop(peer, None)
+        if self.cuda is not None:
+            self.cuda.forget_peer(peer)
+        if pid:
+            shm.sweep_pid(self.run_id, pid)
+
+    def close(self) -> None:
+        """Release every resource this endpoint still owns (segments, held CUDA tensors)."""
+        self._closed = True
+        self._writer.close()
+        self._pool.close()
+        self._reader.close()
+        if self.cuda is not None:
+            self.cuda.close()
 
 
 def _discard(name: str) -> None:
-    try:
+    with contextlib.suppress(OSError, ValueError):
         shm.open_segment(name, 0)
-    except (OSError, ValueError):
-        pass
 
 
 def _desc(name: str, t: torch.Tensor, where: Any) -> TensorDesc:
@@ -184,27 +404,28 @@ def _desc(name: str, t: torch.Tensor, where: Any) -> TensorDesc:
     )
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a contiguous CPU tensor (any dtype, bf16 and 0-d included)."""
-    if t.numel() == 0:
-        return memoryview(b"")
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[nbytes] uint8 view of a contiguous tensor (any dtype, 0-d and bool included)."""
     flat = t.reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8)
 
 
-def _frame_view(frame: Any) -> memoryview:
-    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """Zero-copy bytes of a contiguous CPU tensor."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(_flat_bytes(t).numpy())
 
 
-def _from_buffer(buf: Any, dtype: torch.dtype, shape: list[int], *, copy: bool) -> torch.Tensor:
-    if len(buf) == 0:
-        return torch.empty(shape, dtype=dtype)
+def _copy_frame(frame: Any, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     # Frames belong to ZeroMQ and are read-only: one copy into memory the tensor owns.
-    # Shm mappings are ours (already unlinked): zero-copy view, kept alive by the tensor.
-    raw = torch.frombuffer(bytearray(buf) if copy else buf, dtype=torch.uint8)
-    return raw.view(dtype).reshape(shape)
+    out = torch.empty(shape, dtype=dtype)
+    if out.numel():
+        buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        memoryview(_flat_bytes(out).numpy())[:] = buf
+    return out
 
 
 def _round_up(n: int, k: int) -> int:
