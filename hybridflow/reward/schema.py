@@ -5,7 +5,7 @@ The same structs travel as JSON over HTTP and as MessagePack over ZeroMQ:
     ScoreRequest  {"version": 1, "request_id": str, "step": int, "mb_id": int,
                    "items": [{"id": str, "prompt": str, "response": str,
                               "prompt_ids": [int], "response_ids": [int],
-                              "metadata": {str: scalar}}]}
+                              "metadata": {str: any JSON value}}]}
     ScoreReply    {"version": 1, "request_id": str,
                    "rewards": [{"id": str, "reward": number, "info": {str: scalar}?}]}
     ErrorReply    {"version": 1, "error": str, "request_id": str?}   (any non-200 answer)
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -56,7 +56,9 @@ class Item(msgspec.Struct, frozen=True):
     response: str = ""
     prompt_ids: list[int] = msgspec.field(default_factory=list)
     response_ids: list[int] = msgspec.field(default_factory=list)
-    metadata: dict[str, Scalar] = msgspec.field(default_factory=dict)
+    # Any JSON value (a verifier needs `answer`, a sandbox its test cases). msgspec builds
+    # only dicts/lists/scalars from it: nothing is constructed or evaluated.
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class ScoreRequest(msgspec.Struct, frozen=True):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.errors import ConfigError, RewardServiceError
+from hybridflow.data.batching import encode_metadata
+from hybridflow.errors import BatchError, ConfigError, RewardServiceError
 from hybridflow.reward import start_server
 from hybridflow.stages import create_role
 from hybridflow.stages.base import Role, StageContext
@@ -39,6 +40,9 @@ def micro_batch() -> dict[str, torch.Tensor]:
         "response_lengths": torch.tensor([3, 1, 0]),  # [B]
         "answer": torch.tensor([7, 8, 9]),  # [B] -> metadata["answer"]
         "weight": torch.tensor([0.5, 1.0, 2.0]),  # [B] -> metadata["weight"]
+        "metadata_json": encode_metadata(
+            [{"tests": [[1, 2], [3, 5]]}, {}, {"task": "t"}]
+        ),  # [B, L]
     }
 
 
@@ -78,7 +82,8 @@ async def test_role_scores_a_micro_batch(protocol, tmp_path):
     assert [c[1] for c in first] == [[[5, 6], [7, 8, 9]], [[4, 4, 4, 4]]]
     assert [c[2] for c in first] == [[[1, 2, 3], [4]], [[]]]
     assert [c[0] for c in first] == [["", ""], [""]]
-    assert first[1][3] == [{"answer": 9, "weight": 2.0}]
+    assert first[1][3] == [{"task": "t", "answer": 9, "weight": 2.0}]
+    assert first[0][3][0] == {"tests": [[1, 2], [3, 5]], "answer": 7, "weight": 0.5}
 
 
 async def test_role_trims_padding_and_decodes_with_a_tokenizer(tmp_path):
@@ -153,7 +158,7 @@ async def test_role_fallback_and_fail_when_service_is_down(tmp_path, unused_tcp_
         (
             "http",
             {"url": "http://x", "tokenizer": "/no/such/dir"},
-            "options.tokenizer: '/no/such/dir' is not",
+            "options.tokenizer: no tokenizer directory at '/no/such/dir'",
         ),
         ("zmq", {"url": "tcp://x:1"}, "stages.judge.options.url: unknown key"),
         ("zmq", {"endpoint": "http://x"}, "stages.judge.options.endpoint: expected tcp://"),
@@ -171,12 +176,12 @@ def test_role_rejects_unknown_op_and_bad_batches(tmp_path):
     role = create_role("reward", "zmq")
     role.setup(ctx(tmp_path, {"endpoint": "tcp://127.0.0.1:9", **FAST}))
     try:
-        with pytest.raises(ValueError, match="only does 'score'"):
+        with pytest.raises(BatchError, match="unknown op 'train'; known: score"):
             role.handle("train", micro_batch(), {})
-        with pytest.raises(ValueError, match="needs 'response_ids'"):
+        with pytest.raises(BatchError, match="needs 'response_ids'"):
             role.handle("score", {"prompt_ids": torch.zeros(2, 3, dtype=torch.long)}, {})
         bad = {**micro_batch(), "response_lengths": torch.tensor([3, 1, 4])}
-        with pytest.raises(ValueError, match=r"lengths must be \[B\] in \[0, 3\]"):
+        with pytest.raises(BatchError, match=r"lengths must be \[B\] in \[0, 3\]"):
             role.handle("score", bad, {})
     finally:
         role.close()

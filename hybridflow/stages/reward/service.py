@@ -1,21 +1,24 @@
 """Reward role backends that call an external service: `http` (JSON) and `zmq` (MessagePack).
 
-Consumes one micro-batch per `score` task:
+Consumes one micro-batch per `score` task, in the layout every role sees
+(stages/common.py), like the in-process `function` reward backend:
 
-    prompt_ids     # [B, P] int   token ids (left or right padded)
-    prompt_mask    # [B, P] 0/1   optional; 1 = real token (else: prompt_lengths [B], else all)
-    response_ids   # [B, R] int
-    response_mask  # [B, R] 0/1   optional; else response_lengths [B], else all R tokens
-    any other [B]-shaped tensor   -> sent per sample in `metadata` under its name
+    prompt_ids     # [B, P] int   left-padded
+    prompt_mask    # [B, P] 0/1   optional; 1 = real token (else prompt_lengths [B], else all)
+    response_ids   # [B, R] int   right-padded
+    response_mask  # [B, R] 0/1   optional (else response_lengths [B], else all R tokens)
+    metadata_json  # [B, L] uint8 optional: the dataset record's other fields (e.g. `answer`)
+    any other [B]-shaped tensor   -> added to each sample's metadata under its name
 
 and produces `rewards  # [B] float32`, plus metrics `reward/service_failures` (samples
 that got the fallback score), `reward/service_retries`, `reward/service_requests`,
 `reward/service_latency_ms` (mean over answered requests), and `reward/info/<key>` (mean
 of each numeric `info` value the service returned).
 
-Text: with `options.tokenizer` (a local tokenizer directory) the prompt and response are
-decoded (special tokens skipped) and sent as text beside the ids; without one, `prompt`
-and `response` are empty strings and the service works on ids.
+Text: with `options.tokenizer` ("builtin" or a local tokenizer directory, as for the
+`function` backend) the prompt and response are decoded (special tokens skipped) and
+sent beside the ids; without one, `prompt` and `response` are empty strings and the
+service works on ids.
 
 Sample ids are `"<step>-<mb_id>-<row>"`: unique within a run, stable across retries.
 
@@ -39,18 +42,19 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from hybridflow.config.loader import from_dict
-from hybridflow.errors import ConfigError
+from hybridflow.errors import BatchError
 from hybridflow.reward.client import ClientConfig, RewardClient, ScoreResult, make_client
 from hybridflow.reward.schema import Item
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 
-_TOKEN_FIELDS = (
+_NOT_METADATA = (
     "prompt_ids",
     "prompt_mask",
     "prompt_lengths",
     "response_ids",
     "response_mask",
     "response_lengths",
+    "metadata_json",
 )
 
 
@@ -82,16 +86,16 @@ class _ServiceReward:
         opts = from_dict(self.options_cls, ctx.options, path)
         address = opts.url if self.protocol == "http" else opts.endpoint
         if opts.tokenizer:
-            self._tokenizer = _load_tokenizer(opts.tokenizer, f"{path}.tokenizer")
+            from hybridflow.models.loader import load_tokenizer  # only when text is wanted
+
+            self._tokenizer = load_tokenizer(opts.tokenizer, None, f"{path}.tokenizer")
         self._client = make_client(self.protocol, address, opts, path=path)
         self._loop = _LoopThread(f"reward-{self.protocol}-loop")
         ctx.log.info("reward service %s (%s)", address, self.protocol)
 
     def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         if op != "score":
-            raise ValueError(
-                f"{self.protocol} reward backend has no op {op!r}; it only does 'score'"
-            )
+            raise BatchError(f"{self.protocol} reward backend: unknown op {op!r}; known: score")
         if self._loop is None or self._client is None:
             raise RuntimeError("handle() before setup()")
         step, mb_id = int(params.get("step", 0)), int(params.get("mb_id", 0))
@@ -186,16 +190,16 @@ def _metrics(result: ScoreResult) -> Metrics:
 def _rows(ids: torch.Tensor, mask: torch.Tensor | None, lengths: torch.Tensor | None, name: str):
     """Per row, the real tokens of `ids  # [B, T]` as a list of ints."""
     if ids.dim() != 2:
-        raise ValueError(f"{name} must be [B, T], got shape {tuple(ids.shape)}")
+        raise BatchError(f"{name} must be [B, T], got shape {tuple(ids.shape)}")
     b, t = ids.shape
     if mask is not None:
         if mask.shape != ids.shape:
-            raise ValueError(f"{name} mask shape {tuple(mask.shape)} != ids {tuple(ids.shape)}")
+            raise BatchError(f"{name} mask shape {tuple(mask.shape)} != ids {tuple(ids.shape)}")
         m = mask.bool()
         return [ids[i][m[i]].tolist() for i in range(b)]
     if lengths is not None:
         if lengths.shape != (b,) or bool((lengths < 0).any()) or bool((lengths > t).any()):
-            raise ValueError(f"{name} lengths must be [B] in [0, {t}], got {lengths.tolist()}")
+            raise BatchError(f"{name} lengths must be [B] in [0, {t}], got {lengths.tolist()}")
         return [ids[i, : int(lengths[i])].tolist() for i in range(b)]
     return ids.tolist()
 
@@ -204,7 +208,7 @@ def batch_to_items(batch: Batch, *, step: int, mb_id: int, tokenizer=None) -> li
     """One wire `Item` per row of the micro-batch (see the module docstring for fields)."""
     for key in ("prompt_ids", "response_ids"):
         if key not in batch:
-            raise ValueError(f"reward service backend needs {key!r}; got {sorted(batch)}")
+            raise BatchError(f"reward service backend needs {key!r}; the batch has {sorted(batch)}")
     prompts = _rows(
         batch["prompt_ids"], batch.get("prompt_mask"), batch.get("prompt_lengths"), "prompt_ids"
     )
@@ -216,37 +220,41 @@ def batch_to_items(batch: Batch, *, step: int, mb_id: int, tokenizer=None) -> li
     )
     b = len(prompts)
     if len(responses) != b:
-        raise ValueError(f"prompt_ids has {b} rows, response_ids {len(responses)}")
-    extra = {
-        k: v.tolist()
-        for k, v in batch.items()
-        if k not in _TOKEN_FIELDS and v.dim() == 1 and v.shape[0] == b
-    }
-    items = []
-    for i in range(b):
-        text_p = tokenizer.decode(prompts[i], skip_special_tokens=True) if tokenizer else ""
-        text_r = tokenizer.decode(responses[i], skip_special_tokens=True) if tokenizer else ""
-        items.append(
-            Item(
-                id=f"{step}-{mb_id}-{i}",
-                prompt=text_p,
-                response=text_r,
-                prompt_ids=prompts[i],
-                response_ids=responses[i],
-                metadata={k: v[i] for k, v in extra.items()},
-            )
+        raise BatchError(f"prompt_ids has {b} rows, response_ids {len(responses)}")
+    metadata = _metadata(batch, b)
+    if tokenizer is not None:
+        texts_p = tokenizer.batch_decode(prompts, skip_special_tokens=True)
+        texts_r = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    else:
+        texts_p = texts_r = [""] * b
+    return [
+        Item(
+            id=f"{step}-{mb_id}-{i}",
+            prompt=texts_p[i],
+            response=texts_r[i],
+            prompt_ids=prompts[i],
+            response_ids=responses[i],
+            metadata=metadata[i],
         )
-    return items
+        for i in range(b)
+    ]
 
 
-def _load_tokenizer(path: str, key: str):
-    from pathlib import Path
+def _metadata(batch: Batch, b: int) -> list[dict[str, Any]]:
+    """Per row: the decoded `metadata_json` record plus every other [B]-shaped tensor."""
+    if "metadata_json" in batch:
+        from hybridflow.data.batching import decode_metadata
 
-    if not Path(path).is_dir():
-        raise ConfigError(key, f"{path!r} is not a local tokenizer directory")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(key, f"cannot load a tokenizer from {path!r}: {exc}") from exc
+        try:
+            rows = decode_metadata(batch["metadata_json"])
+        except ValueError as exc:
+            raise BatchError(f"reward service backend: {exc}") from exc
+        if len(rows) != b:
+            raise BatchError(f"metadata_json has {len(rows)} rows, the batch {b}")
+    else:
+        rows = [{} for _ in range(b)]
+    for key, t in batch.items():
+        if key not in _NOT_METADATA and t.dim() == 1 and t.shape[0] == b:
+            for row, value in zip(rows, t.tolist(), strict=True):
+                row[key] = value
+    return rows
