@@ -35,7 +35,14 @@ import torch
 
 from hybridflow.errors import PipelineError, ProtocolError
 from hybridflow.transport import shm
-from hybridflow.transport.protocol import CudaIpcRef, FrameRef, Release, ShmRef, TensorDesc
+from hybridflow.transport.protocol import (
+    CudaIpcRef,
+    FrameRef,
+    NcclRef,
+    Release,
+    ShmRef,
+    TensorDesc,
+)
 
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -308,6 +315,11 @@ class TensorCodec:
             w = d.where
             if isinstance(w, CudaIpcRef) and d.name not in done and self.acks:
                 self._queue(peer, "unopened", w.id)
+            if isinstance(w, NcclRef) and d.name not in done and self.cuda is not None:
+                # The sender posts this transfer regardless: post the matching receive
+                # (and drop it), or every later NCCL transfer from it would be mismatched.
+                with contextlib.suppress(PipelineError):
+                    self.cuda.import_(d, peer)
             if isinstance(w, ShmRef) and (w.name, w.lease) not in bases:
                 bases[(w.name, w.lease)] = torch.empty(0)  # once per segment
                 if w.lease:
