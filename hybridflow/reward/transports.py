@@ -18,6 +18,7 @@ released by `aclose()` on that same loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Protocol
@@ -149,7 +150,9 @@ class ZmqTransport:
 
     IMMEDIATE=1 makes a send wait for a live connection instead of queueing messages for
     a peer that is not there, so a dead service surfaces as a TransportFailure within
-    `timeout_s` (and retried messages do not pile up for a later delivery). Replies for
+    `timeout_s` (and retried messages do not pile up for a later delivery). A socket
+    monitor fails the requests in flight as soon as the connection drops (a killed
+    service), since their replies can no longer reach this socket. Replies for
     a request nobody waits for any more (a late answer to a timed-out attempt) are
     dropped: the retry of that request, carrying the same request_id, already got or
     will get its own answer.
@@ -165,6 +168,7 @@ class ZmqTransport:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
+        self._monitor: asyncio.Task | None = None
         self._pending: dict[bytes, asyncio.Future] = {}
         self._health_seq = 0
 
@@ -176,10 +180,31 @@ class ZmqTransport:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.address)
             self._sock = sock
-            self._reader = asyncio.get_running_loop().create_task(
+            loop = asyncio.get_running_loop()
+            self._reader = loop.create_task(
                 self._read_loop(), name=f"reward-zmq-reader {self.address}"
             )
+            self._monitor = loop.create_task(
+                self._watch(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)),
+                name=f"reward-zmq-monitor {self.address}",
+            )
         return self._sock
+
+    async def _watch(self, mon: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                await mon.recv_multipart()  # only EVENT_DISCONNECTED is subscribed
+                lost = [f for f in self._pending.values() if not f.done()]
+                for fut in lost:
+                    fut.set_exception(
+                        TransportFailure("connection lost with the request in flight")
+                    )
+                if lost:
+                    log.info(
+                        "%s: connection lost, %d request(s) in flight", self.address, len(lost)
+                    )
+        finally:
+            mon.close(linger=0)
 
     async def _read_loop(self) -> None:
         assert self._sock is not None
@@ -239,11 +264,14 @@ class ZmqTransport:
         return await self._roundtrip(ZMQ_HEALTH, rid, b"", timeout_s)
 
     async def aclose(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-            self._reader = None
+        tasks = [t for t in (self._reader, self._monitor) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._reader = self._monitor = None
         if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
             self._sock.close(linger=0)
             self._sock = None
         if self._ctx is not None:

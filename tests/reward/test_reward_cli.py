@@ -5,6 +5,7 @@ lets the request in flight finish before a clean exit."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -102,6 +103,31 @@ async def test_cli_sigterm_finishes_the_request_in_flight(tmp_path):
         assert (await pending).rewards == [2.0]
         async with asyncio.timeout(20):
             assert await proc.wait() == 0
+    finally:
+        await c.aclose()
+        await stop(proc)
+
+
+@pytest.mark.parametrize("protocol", ["http", "zmq"])
+async def test_cli_kill9_with_a_request_in_flight_is_an_error(protocol, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="hybridflow.reward")
+    proc, address = await start_cli("slow_length_reward", protocol)
+    started = tmp_path / "started"
+    items = [Item(id="a", response_ids=[1], metadata={"touch": str(started), "sleep_s": 30})]
+    # The connection drop fails the request at once (HTTP: reset; ZeroMQ: socket monitor),
+    # the retry finds nobody listening.
+    c = make_client(protocol, address, ClientConfig(timeout_s=1.5, retries=1, backoff_s=0.01))
+    try:
+        pending = asyncio.create_task(c.score(items))
+        async with asyncio.timeout(20):
+            while not started.exists():
+                await asyncio.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        with pytest.raises(RewardServiceError, match="failed after 2 attempts") as info:
+            await pending
+        assert info.value.sample_ids == ("a",) and address in str(info.value)
+        lost = "connection lost" if protocol == "zmq" else "ServerDisconnectedError"
+        assert lost in caplog.text  # noticed when the connection dropped, not by a timeout
     finally:
         await c.aclose()
         await stop(proc)
