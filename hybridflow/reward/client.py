@@ -4,7 +4,7 @@ Consumes a list of `schema.Item`s for one micro-batch and produces one float per
 in order. Used by the `http` and `zmq` reward role backends (stages/reward/service.py)
 and by anything else that wants to call a reward service from asyncio.
 
-    items ──split by max_batch──> requests (request_id = <client nonce>-<step>-<mb>-<k>)
+    items ──split by max_batch──> requests (request_id = <nonce>.<call>-<step>-<mb>-<k>)
       each request: acquire semaphore (max_concurrency) -> transport.post -> release
         200           -> decode_reply (protocol errors raise, never retried)
         408/429/5xx,
@@ -133,6 +133,7 @@ class RewardClient:
         self.config = config
         self._rng = rng or random.Random()
         self._nonce = uuid.uuid4().hex[:12]  # makes request ids unique across clients/runs
+        self._calls = 0  # ... and across score() calls of this client (same step/mb twice)
         self._sem: asyncio.Semaphore | None = None
 
     @property
@@ -143,10 +144,11 @@ class RewardClient:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.config.max_concurrency)
         n = self.config.max_batch
+        self._calls += 1
         requests = [
             ScoreRequest(
                 version=PROTOCOL_VERSION,
-                request_id=f"{self._nonce}-{step}-{mb_id}-{k}",
+                request_id=f"{self._nonce}.{self._calls}-{step}-{mb_id}-{k}",
                 step=step,
                 mb_id=mb_id,
                 items=items[i : i + n],
