@@ -12,7 +12,9 @@ Socket patterns and why:
     flow back, so shared memory is one-shot there.
 Backpressure everywhere: every socket has a bounded high-water mark (`hwm` messages); a
 DEALER/PUSH `send` then waits until the peer drains (a ROUTER send polls, since a ROUTER
-never reports "writable" per peer).
+never reports "writable" per peer). Messages naming shared memory are tiny, so HWM alone
+would not bound /dev/shm: `send` also waits while more than `shm_inflight_bytes` of
+one-shot segments are unopened, and pooled segments are bounded by `shm_pool_bytes`.
 
 How the socket meets asyncio (why not zmq.asyncio): a plain socket, its ZMQ_FD registered
 once with the loop, and every operation tried non-blocking first. A recv that finds a
@@ -47,9 +49,11 @@ from hybridflow.transport import protocol
 from hybridflow.transport.liveness import PeerTable
 from hybridflow.transport.protocol import Msg, Release, TensorDesc
 from hybridflow.transport.tensors import (
+    DEFAULT_SHM_INFLIGHT_BYTES,
     DEFAULT_SHM_POOL_BYTES,
     DEFAULT_SHM_THRESHOLD,
     CudaTier,
+    ShmFull,
     TensorCodec,
 )
 
@@ -90,6 +94,7 @@ class Channel:
         context: zmq.Context | None = None,
         peers: PeerTable | None = None,
         shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES,
+        shm_inflight_bytes: int = DEFAULT_SHM_INFLIGHT_BYTES,
     ) -> None:
         if kind not in _ZMQ_TYPES:
             raise ValueError(f"channel {name}: socket kind {kind!r} not in {sorted(_ZMQ_TYPES)}")
@@ -97,6 +102,7 @@ class Channel:
         self.kind = kind
         self.peers = peers
         self.bad_messages = 0
+        self.acks_received = 0  # Release messages consumed here
         self._router = kind == "router"
         self._ctx = context or zmq.Context.instance()
         self._sock = zmq.Socket(self._ctx, _ZMQ_TYPES[kind])
@@ -113,6 +119,7 @@ class Channel:
             cuda=cuda,
             acks=kind in ("router", "dealer"),
             shm_pool_bytes=shm_pool_bytes,
+            shm_inflight_bytes=shm_inflight_bytes,
             on_outbox=self._outbox_ready,
         )
         try:
@@ -149,7 +156,10 @@ class Channel:
         Waits while the peer's queue is full (backpressure), at most `timeout` seconds.
         """
         loop = self._bind_loop()
-        frames, descs, peer = self._frames(msg, tensors, to)
+        deadline = None if timeout is None else loop.time() + timeout
+        frames, descs, peer = await self._encode_when_room(loop, msg, tensors, to, deadline)
+        if deadline is not None:
+            timeout = max(0.0, deadline - loop.time())
         sent = False
         try:
             if self.codec.has_outbox():
@@ -168,6 +178,30 @@ class Channel:
                 self.codec.abort(descs, peer)
         if descs:
             self.codec.sent(descs, peer)
+
+    async def _encode_when_room(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        msg: Msg,
+        tensors: Mapping[str, torch.Tensor] | None,
+        to: bytes | None,
+        deadline: float | None,
+    ) -> tuple[list[Any], list[TensorDesc], Hashable]:
+        # Shared-memory backpressure: too many bytes sent and not yet opened by receivers.
+        pause = 0.001
+        while True:
+            try:
+                return self._frames(msg, tensors, to)
+            except ShmFull as full:
+                if deadline is not None and loop.time() >= deadline:
+                    raise TransportTimeout(
+                        f"channel {self.name}: {full.args[0]} bytes of shared memory sent and "
+                        f"not yet opened by the receiver (limit `transport.shm_inflight_bytes` "
+                        f"= {self.codec.shm_inflight_bytes}); the peer is not draining"
+                    ) from None
+                self._check_peers()
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.02)
 
     def try_send(self, msg: Msg, *, to: bytes | None = None) -> bool:
         """Send `msg` (no tensors) only if the socket takes it now; False if it is full.
@@ -278,12 +312,19 @@ class Channel:
                 got = self._decode(frames)
             except ProtocolError as exc:
                 self.bad_messages += 1
-                log.warning("channel %s: dropped malformed message: %s", self.name, exc)
+                if self.bad_messages <= 10 or self.bad_messages % 1000 == 0:  # no log floods
+                    log.warning(
+                        "channel %s: dropped malformed message (%d so far): %s",
+                        self.name,
+                        self.bad_messages,
+                        exc,
+                    )
                 continue
             if self.peers is not None:
                 self.peers.seen(got.peer, got.msg)
                 self._check_peers()
             if isinstance(got.msg, Release):
+                self.acks_received += 1
                 self.codec.on_release(got.peer, got.msg)
                 continue
             return got

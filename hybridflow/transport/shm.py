@@ -76,11 +76,17 @@ class _Names:
 
 
 class ShmWriter:
-    """One-shot segments of one sending endpoint; remembers the ones not yet claimed."""
+    """One-shot segments of one sending endpoint; remembers the ones not yet opened.
+
+    A name still in /dev/shm is a segment no receiver has opened yet: `inflight_bytes`
+    is what the channel bounds (`shm_inflight_bytes`), so a slow or dead receiver cannot
+    make a sender fill /dev/shm (ZeroMQ's HWM counts messages, and a message naming a
+    segment is tiny: thousands fit in socket buffers).
+    """
 
     def __init__(self, run_id: str) -> None:
         self._names = _Names(run_id)
-        self._pending: set[str] = set()
+        self._pending: dict[str, int] = {}  # name -> bytes
         self._lock = threading.Lock()
 
     def write(self, chunks: Iterable[tuple[int, memoryview]], total: int) -> str:
@@ -91,7 +97,7 @@ class ShmWriter:
         fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             with self._lock:
-                self._pending.add(name)
+                self._pending[name] = total
             os.ftruncate(fd, total)
             _write_all(fd, chunks)
         except BaseException:
@@ -101,16 +107,16 @@ class ShmWriter:
             os.close(fd)
         return name
 
-    def claimed(self, names: Iterable[str]) -> None:
-        """The receiver took these (it unlinked them); stop tracking."""
-        with self._lock:
-            self._pending.difference_update(names)
-
     def _prune(self) -> None:
-        # Streams without acks (PUSH/PULL) never call `claimed`: forget names the receiver
-        # already unlinked so the set stays small.
+        # Receivers unlink what they open; forget those names.
         with self._lock:
-            self._pending = {n for n in self._pending if os.path.exists(_path(n))}
+            self._pending = {n: b for n, b in self._pending.items() if os.path.exists(_path(n))}
+
+    def inflight_bytes(self) -> int:
+        """Bytes in segments created and not yet opened by any receiver."""
+        self._prune()
+        with self._lock:
+            return sum(self._pending.values())
 
     def pending(self) -> list[str]:
         self._prune()
@@ -119,13 +125,13 @@ class ShmWriter:
 
     def discard(self, name: str) -> None:
         with self._lock:
-            self._pending.discard(name)
+            self._pending.pop(name, None)
         _unlink(name)
 
     def close(self) -> None:
         """Unlink every segment the receiver never opened (harmless if it did)."""
         with self._lock:
-            names, self._pending = list(self._pending), set()
+            names, self._pending = list(self._pending), {}
         for name in names:
             _unlink(name)
 

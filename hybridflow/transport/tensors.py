@@ -64,6 +64,14 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 DEFAULT_SHM_THRESHOLD = 1 << 20  # below 1 MiB a frame copy is cheaper than shm syscalls
 DEFAULT_SHM_POOL_BYTES = 1 << 30  # per peer; only the high-water mark of real use is mapped
+DEFAULT_SHM_INFLIGHT_BYTES = 1 << 30  # one-shot segments sent and not yet opened
+
+
+class ShmFull(Exception):
+    """`encode` would exceed `shm_inflight_bytes` of unopened one-shot segments: the
+    caller waits for the receiver to catch up (backpressure) and tries again."""
+
+
 _ALIGN = 64
 
 Peer = Hashable  # a ROUTER identity (bytes), or None for the one peer of a DEALER/PUSH/PULL
@@ -111,6 +119,7 @@ class TensorCodec:
     cuda: CudaTier | None = None
     acks: bool = False
     shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES
+    shm_inflight_bytes: int = DEFAULT_SHM_INFLIGHT_BYTES
     on_outbox: Callable[[], None] | None = None  # called (any thread) when acks are queued
 
     def __post_init__(self) -> None:
@@ -128,6 +137,7 @@ class TensorCodec:
         """Descriptors and extra frames for `tensors`, going to `peer`.
 
         If the message is then not sent, call `abort(descs, peer)` to free what this made.
+        Raises ShmFull (having freed everything) when shared memory must wait.
         """
         descs: list[TensorDesc] = []
         frames: list[Any] = []
@@ -175,6 +185,10 @@ class TensorCodec:
                 name, size = seg.name, seg.size
             else:
                 lease = 0
+                # Backpressure for shared memory; a lone oversized message still goes.
+                inflight = self._writer.inflight_bytes() if self.shm_inflight_bytes else 0
+                if inflight and inflight + total > self.shm_inflight_bytes:
+                    raise ShmFull(inflight)
                 name = self._writer.write(
                     ((off, _byte_view(t)) for off, (_, t) in zip(offsets, big, strict=True)), total
                 )
