@@ -54,8 +54,8 @@ async def test_pipeline_stops_with_an_error_naming_the_dead_service(
 ):
     monkeypatch.chdir(tmp_path)
     endpoint = f"tcp://127.0.0.1:{unused_tcp_port}"
-    topo = topology("zmq", endpoint, timeout_s=0.3, retries=1, backoff_s=0.01)
+    topo = topology("zmq", endpoint, max_batch=8, timeout_s=0.3, retries=1, backoff_s=0.01)
     with pytest.raises(PipelineError) as info:
         await asyncio.to_thread(run_topology, topo)
     msg = str(info.value)
-    assert endpoint in msg and "failed after 2 attempts" in msg and "0-0-0" in msg
+    assert endpoint in msg and "failed after 2 attempts" in msg and "samples 0-0-0, 0-0-1" in msg
