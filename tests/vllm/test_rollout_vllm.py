@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny_qwen2 import EOS, PAD, VOCAB, tiny_qwen2
+from _policy import EOS, PAD, VOCAB, left_pad, policy, responses
+from conftest import INITIAL_PROMPTS, MAX_NEW, make_ctx
 
 from hybridflow.algos import logprobs_from_logits
 from hybridflow.errors import BatchError
@@ -19,12 +20,11 @@ from hybridflow.errors import BatchError
 # fp32 on CPU, same weights: the two stacks differ only in kernels (vLLM's CPU attention
 # and fused qkv/gate_up GEMMs vs torch's sdpa). Seen here: max |diff| ~1e-6.
 LOGPROB_TOL = 1e-4
-MAX_NEW = 12
 
 
 def perturbed(seed: int, scale: float = 0.05, eos_boost: float = 0.0):
     """The session model's initial weights plus seeded noise: 'the actor after a step'."""
-    model = tiny_qwen2(seed=0)
+    model = policy()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -47,25 +47,10 @@ def reshard(rollout, model, per_bucket: int = 2, version: int = 1) -> dict[str, 
     return metrics
 
 
-def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.int64)
-    mask = torch.zeros((len(prompts), width), dtype=torch.int64)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    return ids, mask
-
-
 def some_prompts(seed: int, count: int = 4) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, 10, (count,), generator=g).tolist()
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def responses(out: dict[str, torch.Tensor]) -> list[list[int]]:
-    ids, mask = out["response_ids"], out["response_mask"]
-    return [ids[r][mask[r].bool()].tolist() for r in range(ids.shape[0])]
 
 
 def hf_greedy(model, prompt: list[int]) -> list[int]:
@@ -96,6 +81,11 @@ def actor_logprobs(model, out: dict[str, torch.Tensor], temperature: float, top_
     return logprobs_from_logits(logits, out["response_ids"], out["response_mask"])
 
 
+def test_engine_starts_from_the_preset_weights(engine):
+    """The engine loads the preset exactly as the hf roles build it (same run seed)."""
+    assert responses(engine.initial) == [hf_greedy(policy(), p) for p in INITIAL_PROMPTS]
+
+
 def test_greedy_tokens_equal_hf_generate_after_reshard(rollout):
     prompts = some_prompts(seed=1)
     ids, mask = left_pad(prompts)
@@ -106,6 +96,10 @@ def test_greedy_tokens_equal_hf_generate_after_reshard(rollout):
     out_a, metrics = rollout.handle("generate", {"prompt_ids": ids, "prompt_mask": mask}, greedy)
     assert responses(out_a) == [hf_greedy(model_a, p) for p in prompts]
     assert metrics["rollout/policy_version"] == 1.0
+    # Greedy log-probs are reported at temperature 1 (as the hf backend does).
+    valid = out_a["response_mask"].bool()
+    diff = (out_a["rollout_logprobs"] - actor_logprobs(model_a, out_a, 1.0)).abs()[valid]
+    assert diff.max().item() <= LOGPROB_TOL
 
     # A second reshard must take effect too (and not be served from the prefix cache).
     model_b = perturbed(seed=12)
@@ -198,6 +192,73 @@ def test_n_samples_layout_and_eos_stop(rollout):
     assert metrics["rollout/tokens"] == float(m.sum())
 
 
+def _hf_backend(tmp_path):
+    from hybridflow.stages.rollout_hf import HFRollout
+
+    hf = HFRollout()
+    vllm_only = ("max_model_len", "kv_cache_bytes")
+    ctx = make_ctx(tmp_path)
+    ctx.options = {k: v for k, v in ctx.options.items() if k not in vllm_only}
+    hf.setup(ctx)
+    return hf
+
+
+def check_layout(out: dict[str, torch.Tensor], ids, mask, n: int) -> list[list[int]]:
+    """The rollout contract both backends follow; returns the responses."""
+    rows = ids.shape[0] * n
+    assert out["group_index"].tolist() == [i for i in range(ids.shape[0]) for _ in range(n)]
+    assert torch.equal(out["prompt_ids"], ids.repeat_interleave(n, dim=0))
+    assert torch.equal(out["prompt_mask"], mask.repeat_interleave(n, dim=0))
+    for key, dtype in (
+        ("response_ids", torch.int64),
+        ("response_mask", torch.int64),
+        ("rollout_logprobs", torch.float32),
+        ("group_index", torch.int64),
+    ):
+        assert out[key].shape[0] == rows and out[key].dtype == dtype, key
+    m = out["response_mask"]
+    assert not (m[:, 1:] > m[:, :-1]).any()  # right-padded
+    assert (out["response_ids"][~m.bool()] == PAD).all()
+    assert (out["rollout_logprobs"][~m.bool()] == 0).all()
+    resp = responses(out)
+    for r in resp:  # stops at its first EOS (kept, mask 1), else runs to max_new_tokens
+        assert EOS not in r[:-1]
+        assert r[-1] == EOS or len(r) == MAX_NEW
+    assert out["response_ids"].shape[1] == max(len(r) for r in resp)
+    return resp
+
+
+def test_same_contract_and_greedy_output_as_hf_backend(rollout, tmp_path):
+    """(3) the hf backend on the same weights: greedy outputs equal field by field; sampled
+    outputs (different RNGs) follow the same layout, n and EOS rules."""
+    hf = _hf_backend(tmp_path)
+    model = perturbed(seed=61, eos_boost=10.0)
+    items = list(model.state_dict().items())
+    for backend in (hf, rollout):
+        for i in range(0, len(items), 4):
+            backend.handle("load_weights", dict(items[i : i + 4]), {"last": i + 4 >= len(items)})
+    ids, mask = left_pad(some_prompts(seed=6, count=5))
+    batch = {"prompt_ids": ids, "prompt_mask": mask}
+
+    g_hf, _ = hf.handle("generate", batch, {"temperature": 0.0})
+    g_vl, _ = rollout.handle("generate", batch, {"temperature": 0.0})
+    resp = check_layout(g_vl, ids, mask, 1)
+    assert any(r[-1] == EOS for r in resp) and any(len(r) == MAX_NEW for r in resp)
+    assert g_hf.keys() == g_vl.keys()
+    for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_index"):
+        assert torch.equal(g_hf[key], g_vl[key]), key
+    assert torch.allclose(g_hf["rollout_logprobs"], g_vl["rollout_logprobs"], atol=LOGPROB_TOL)
+
+    n = 4
+    s_hf, _ = hf.handle("generate", batch, {"temperature": 1.0, "n": n, "seed": 3})
+    s_vl, _ = rollout.handle("generate", batch, {"temperature": 1.0, "n": n, "seed": 3})
+    check_layout(s_hf, ids, mask, n)
+    resp = check_layout(s_vl, ids, mask, n)
+    ended = sum(r[-1] == EOS for r in resp)
+    assert 0 < ended < len(resp), "eos_boost should make some, not all, samples stop"
+    hf.close()
+
+
 def test_malformed_prompts_are_rejected(rollout):
     ids, mask = left_pad([[5, 6, 7], [8, 9]])
     with pytest.raises(BatchError, match="left-padded"):
@@ -224,7 +285,7 @@ def test_incomplete_weight_update_blocks_generation(rollout):
     items = list(model.state_dict().items())
     # Buckets still open: generation must refuse.
     rollout.handle("load_weights", dict(items[:3]), {"last": False})
-    with pytest.raises(BatchError, match="during a weight update"):
+    with pytest.raises(BatchError, match="weight update is in progress"):
         rollout.handle("generate", {"prompt_ids": ids, "prompt_mask": mask}, {})
     # The last bucket arrives but a layer's tensor is missing: refused, and stays refused.
     missing = "model.layers.1.mlp.down_proj.weight"

@@ -8,10 +8,11 @@ import logging
 import pytest
 import torch
 
+from hybridflow.config.loader import from_dict
 from hybridflow.errors import ConfigError
 from hybridflow.stages import vllm_compat
 from hybridflow.stages.base import StageContext
-from hybridflow.stages.rollout_vllm import VLLMRollout, VLLMRolloutConfig
+from hybridflow.stages.rollout_vllm import VLLMRollout, VLLMRolloutOptions
 
 
 def ctx(tmp_path, **options) -> StageContext:
@@ -26,32 +27,40 @@ def ctx(tmp_path, **options) -> StageContext:
     )
 
 
-def test_options_are_validated_with_dotted_paths(tmp_path):
-    (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
-    from hybridflow.config.loader import from_dict
+def options(**values) -> VLLMRolloutOptions:
+    return from_dict(VLLMRolloutOptions, values, "stages.rollout.options")
 
-    cfg = from_dict(VLLMRolloutConfig, {"model": str(tmp_path), "n": 4}, "stages.rollout.options")
-    assert cfg.n == 4 and cfg.temperature == 1.0
+
+def test_options_are_the_hf_backends_plus_engine_settings():
+    opts = options(model="tiny-vllm", n=4, top_k=5, kv_cache_bytes=1 << 20, sleep_level=2)
+    assert (opts.n, opts.top_k, opts.temperature, opts.dtype) == (4, 5, 1.0, "float32")
     with pytest.raises(ConfigError, match=r"stages\.rollout\.options\.top_p"):
-        VLLMRollout().setup(ctx(tmp_path, model=str(tmp_path), top_p=1.5))
-    with pytest.raises(ConfigError, match=r"stages\.rollout\.options\.temprature.*temperature"):
-        VLLMRollout().setup(ctx(tmp_path, model=str(tmp_path), temprature=1.0))
+        options(model="tiny-vllm", top_p=1.5)
+    with pytest.raises(ConfigError, match=r"options\.temprature.*temperature"):
+        options(model="tiny-vllm", temprature=1.0)
+    with pytest.raises(ConfigError, match=r"options\.n\b"):
+        options(model="tiny-vllm", temperature=0.0, n=2)
+    with pytest.raises(ConfigError, match=r"options\.sleep_level"):
+        options(model="tiny-vllm", sleep_level=3)
     with pytest.raises(ConfigError, match=r"options\.model"):
-        VLLMRollout().setup(ctx(tmp_path, model=str(tmp_path / "nope")))
-    with pytest.raises(ConfigError, match=r"options\.n"):
-        VLLMRollout().setup(ctx(tmp_path, model=str(tmp_path), temperature=0.0, n=2))
+        options()
 
 
 def test_setup_without_vllm_names_the_fix(tmp_path):
     if vllm_compat.vllm_available():
         pytest.skip("vLLM is installed here")
-    (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
     with pytest.raises(vllm_compat.VLLMUnavailableError, match=r"install_vllm_cpu\.sh"):
-        VLLMRollout().setup(ctx(tmp_path, model=str(tmp_path)))
+        VLLMRollout().setup(ctx(tmp_path, model="tiny-vllm"))
 
 
-def test_version_gate():
+def test_version_gate(monkeypatch):
+    monkeypatch.delenv("HYBRIDFLOW_VLLM_ANY_VERSION", raising=False)
+    vllm_compat.check_version("0.31.0")
     vllm_compat.check_version("0.32.0")
     vllm_compat.check_version("0.32.1+cpu")
     with pytest.raises(vllm_compat.VLLMUnavailableError, match="outside the range"):
-        vllm_compat.check_version("0.10.2")
+        vllm_compat.check_version("0.28.0")
+    with pytest.raises(vllm_compat.VLLMUnavailableError, match="outside the range"):
+        vllm_compat.check_version("0.33.0")
+    monkeypatch.setenv("HYBRIDFLOW_VLLM_ANY_VERSION", "1")
+    vllm_compat.check_version("0.28.0")
