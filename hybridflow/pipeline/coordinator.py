@@ -78,18 +78,30 @@ class _Peer:
     connected: bool = False
     ready: bool = False
     last_seen: float = 0.0
-    # What it was last given, for error messages: (op label, step, mb_id).
-    given: tuple[str, int, int] | None = None
+    # For error messages: task_id -> (op label, step, mb_id) of tasks sent, not answered
+    # (in send order: the first is the one it was working on), and the last one sent.
+    inflight: dict[int, tuple[str, int, int]] = field(default_factory=dict)
+    last_given: tuple[str, int, int] | None = None
 
-    def describe_given(self) -> str:
-        if self.given is None:
-            return "no task yet"
-        label, step, mb = self.given
-        return f"{label} step {step} " + ("(step op)" if mb < 0 else f"micro-batch {mb}")
+    def doing(self) -> str:
+        """What this stage was doing, for an error message."""
+        if self.inflight:
+            tasks = [_task_text(t) for t in self.inflight.values()]
+            queued = f" (queued: {', '.join(tasks[1:])})" if len(tasks) > 1 else ""
+            return f"while running {tasks[0]}{queued}"
+        if self.last_given:
+            return f"while idle; its last task was {_task_text(self.last_given)}"
+        return "before it was given any task"
 
     def where(self) -> dict[str, Any]:
-        step, mb = (self.given[1], self.given[2]) if self.given else (None, None)
+        cur = next(iter(self.inflight.values()), self.last_given)
+        step, mb = (cur[1], cur[2]) if cur else (None, None)
         return {"stage": self.info.stage, "replica": self.info.replica, "step": step, "mb_id": mb}
+
+
+def _task_text(t: tuple[str, int, int]) -> str:
+    label, step, mb = t
+    return f"{label} step {step} " + ("(step op)" if mb < 0 else f"micro-batch {mb}")
 
 
 class Coordinator:
@@ -206,6 +218,7 @@ class Coordinator:
                 log.warning("result of run %s dropped (this run is %s)", msg.run_id, self.run_id)
                 return
             self.tasks_done += 1
+            peer.inflight.pop(msg.task_id, None)
             compute_s = msg.info.get("compute_s", 0.0)
             self.sched.complete(
                 msg.task_id,
@@ -296,7 +309,8 @@ class Coordinator:
         )
         for r in d.replicas:
             ident = f"{d.op.stage}/{r}".encode()
-            self.peers[ident].given = (op.label, d.step, d.mb_id)
+            peer = self.peers[ident]
+            peer.last_given = peer.inflight[d.task_id] = (op.label, d.step, d.mb_id)
             try:
                 await self.chan.send(task, d.inputs, to=ident)
             except PeerDeadError:
@@ -369,7 +383,7 @@ class Coordinator:
                 self._fail(
                     StageDeadError(
                         f"stage {peer.info.stage} replica {peer.info.replica} (pid {ex.pid}) "
-                        f"{ex.describe()}; it was last given {peer.describe_given()}",
+                        f"{ex.describe()} {peer.doing()}",
                         **peer.where(),
                     )
                 )
@@ -380,9 +394,9 @@ class Coordinator:
                     self._fail(
                         StageDeadError(
                             f"stage {peer.info.stage} replica {peer.info.replica} (pid {peer.pid}) "
-                            f"sent nothing for {now - peer.last_seen:.1f}s "
-                            f"(liveness.heartbeat_timeout_s = {live.heartbeat_timeout_s}); "
-                            f"it was last given {peer.describe_given()}",
+                            f"sent nothing for {now - peer.last_seen:.1f}s {peer.doing()}; "
+                            f"liveness.heartbeat_timeout_s = {live.heartbeat_timeout_s} bounds "
+                            "this wait (raise it if the stage blocks its event loop)",
                             **peer.where(),
                         )
                     )

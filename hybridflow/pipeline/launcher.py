@@ -175,9 +175,19 @@ def _child_main() -> None:
     if header.get("title"):
         set_process_name(header["title"])
     module, func = header["target"].split(":")
-    code = getattr(importlib.import_module(module), func)(header["payload"])
-    sys.stdout.flush()
-    sys.exit(int(code or 0))
+    code = 1
+    try:
+        code = int(getattr(importlib.import_module(module), func)(header["payload"]) or 0)
+    except BaseException:
+        logging.getLogger("hybridflow.stage").exception("stage process failed")
+    finally:
+        # Like multiprocessing's children, leave with os._exit: the target released its
+        # resources itself (roles, sockets, shm), and interpreter finalization of the
+        # native libraries (zmq, torch) was seen to spin forever now and then.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def set_process_name(title: str) -> None:

@@ -17,7 +17,8 @@ Each task's `params` are the op's configured params plus `step`, `mb_id` and
 `policy_version` from the Task. Results carry `info["compute_s"]`, the seconds spent in
 `Role.handle`, which the coordinator reports per phase.
 
-Exit codes: 0 after Shutdown, 3 handshake rejected, 4 coordinator unreachable/gone.
+Exit codes: 0 after Shutdown, 3 handshake rejected, 4 coordinator unreachable/gone,
+1 an unexpected exception (logged).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import asyncio
 import enum
 import logging
 import os
-import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -76,11 +76,9 @@ def main(payload: dict[str, Any]) -> int:
     proc = StageProcess(topo, stage, replica, payload)
     code = asyncio.run(proc.run())
     if proc.worker_stuck:
-        # A role is still computing in the worker thread; interpreter shutdown would join
-        # it forever. The coordinator asked us to go, so go now.
-        log.warning("worker thread still busy at exit; exiting without joining it")
-        sys.stderr.flush()
-        os._exit(code)
+        # The launcher's bootstrap leaves with os._exit, so a stuck worker thread does not
+        # keep the process alive; say that it was abandoned.
+        log.warning("worker thread still busy at exit; abandoning it")
     return code
 
 
@@ -305,7 +303,7 @@ class StageProcess:
             op=op,
             error_type=type(exc).__name__,
             message=str(exc)[:4000],
-            traceback="".join(traceback.format_exception(exc))[-16000:],
+            traceback=_role_traceback(exc)[-16000:],
         )
 
     async def _close_roles(self) -> None:
@@ -321,3 +319,17 @@ class StageProcess:
                 log.exception("role %s failed to close", name)
         if not self.worker_stuck:
             self._pool.shutdown(wait=False)
+
+
+def _role_traceback(exc: BaseException) -> str:
+    """The traceback from the role's code down: frames of the runtime's own plumbing
+    (this module, asyncio, the executor) say nothing to the user and are dropped."""
+    tb = exc.__traceback__
+    skip = (__file__, os.sep + "asyncio" + os.sep, os.sep + "concurrent" + os.sep)
+    while (
+        tb is not None
+        and tb.tb_next is not None
+        and any(s in tb.tb_frame.f_code.co_filename for s in skip)
+    ):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))

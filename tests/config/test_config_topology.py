@@ -1,0 +1,251 @@
+"""Topology schema: a table of bad configs -> the exact ConfigError text, plus presets,
+overrides and hashing. Registry checks (backends, data source, driver ops, sinks) run
+through `build_plan`, as `hybridflow validate` does."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from hybridflow.config.loader import config_hash, from_dict, to_dict
+from hybridflow.config.schema import Topology, load_topology, preset_names
+from hybridflow.errors import ConfigError
+from hybridflow.pipeline.topology import build_plan
+
+
+def base() -> dict[str, Any]:
+    return {
+        "name": "t",
+        "run": {"steps": 2, "step_batch": 8, "micro_batch": 2},
+        "stages": {
+            "rollout": {"roles": {"rollout": {"backend": "synthetic"}}},
+            "reward": {"roles": {"reward": {"backend": "synthetic"}}},
+            "actor": {"roles": {"actor": {"backend": "synthetic"}}},
+        },
+        "dataflow": [
+            {
+                "role": "rollout",
+                "op": "generate",
+                "inputs": ["prompt_ids"],
+                "outputs": ["response_ids"],
+            },
+            {"role": "reward", "op": "score", "inputs": ["response_ids"], "outputs": ["rewards"]},
+            {"role": "actor", "op": "update", "inputs": ["response_ids", "rewards"]},
+            {"role": "actor", "op": "optimizer_step", "scope": "step"},
+        ],
+    }
+
+
+def edit(path: str, value: Any) -> dict[str, Any]:
+    """base() with `value` set at dotted `path` (list indices as numbers); DELETE removes."""
+    data = base()
+    node: Any = data
+    keys = [int(k) if k.isdigit() else k for k in path.split(".")]
+    for k in keys[:-1]:
+        node = node.setdefault(k, {}) if isinstance(node, dict) else node[k]
+    if value is DELETE:
+        del node[keys[-1]]
+    else:
+        node[keys[-1]] = value
+    return data
+
+
+DELETE = object()
+
+BAD = [
+    ("stages.reward.replicas", 0, "stages.reward.replicas: must be >= 1, got 0"),
+    ("run.steps", 0, "run.steps: must be >= 1, got 0"),
+    ("run.max_inflight", 0, "run.max_inflight: must be >= 1, got 0"),
+    ("run.max_offpolicy_steps", -1, "run.max_offpolicy_steps: must be >= 0, got -1"),
+    (
+        "run.micro_batch",
+        3,
+        "run.micro_batch: 3 does not divide run.step_batch 8; use one of 1, 2, 4, 8",
+    ),
+    ("run.mode", "async", "run.mode: must be one of 'streamed', 'sequential'; got 'async'"),
+    ("run.stpes", 3, "run.stpes: unknown key; did you mean 'steps'?"),
+    ("run.steps", "three", "run.steps: expected int, got str 'three'"),
+    ("stages.reward.replcas", 2, "stages.reward.replcas: unknown key; did you mean 'replicas'?"),
+    (
+        "stages.reward.devices",
+        "gpu0",
+        "stages.reward.devices: 'gpu0' is not a device; use 'cpu' or 'cuda:N'",
+    ),
+    (
+        "stages.reward.devices",
+        ["cpu", "cpu"],
+        "stages.reward.devices: lists 2 device(s) for 1 replica(s); give one device per "
+        "replica or a single device string",
+    ),
+    ("stages.reward.roles", {}, "stages.reward.roles: must host at least one role"),
+    ("stages", {}, "stages: must define at least one stage"),
+    ("dataflow", [], "dataflow: must list at least one op"),
+    (
+        "stages.actor.roles",
+        {"reward": {"backend": "synthetic"}},
+        "stages.actor.roles.reward: role 'reward' is already hosted by stage 'reward'; "
+        "a role lives in exactly one stage (use replicas to scale it)",
+    ),
+    (
+        "dataflow.1.role",
+        "critic",
+        "dataflow[1].role: role 'critic' is hosted by no stage; add it under "
+        "stages.<name>.roles or use one of: actor, reward, rollout, driver",
+    ),
+    (
+        "dataflow.1.inputs",
+        ["values"],
+        "dataflow[1].inputs: value 'values' is consumed by reward.score before any op "
+        "produces it; available here: prompt_ids, response_ids",
+    ),
+    (
+        "dataflow.1.outputs",
+        ["response_ids"],
+        "dataflow[1].outputs: value 'response_ids' is already produced by dataflow[0] "
+        "(rollout.generate); every value has exactly one producer",
+    ),
+    (
+        "dataflow.1.scope",
+        "epoch",
+        "dataflow[1].scope: must be one of 'micro_batch', 'step'; got 'epoch'",
+    ),
+    ("dataflow.1.params", {"step": 3}, "dataflow[1].params.step: is set by the runtime; rename it"),
+    (
+        "dataflow.1.params",
+        {"temps": [1, 2]},
+        "dataflow[1].params.temps: must be a scalar (number, string, bool, null), got list",
+    ),
+    ("dataflow.0.role", DELETE, "dataflow[0].role: is required"),
+    (
+        "liveness",
+        {"heartbeat_interval_s": 2.0, "heartbeat_timeout_s": 1.0},
+        "liveness.heartbeat_timeout_s: must be greater than liveness.heartbeat_interval_s "
+        "(2.0), got 1.0",
+    ),
+    ("liveness", {"startup_timeout_s": 0}, "liveness.startup_timeout_s: must be > 0, got 0.0"),
+    ("log_level", "LOUD", "log_level: must be one of DEBUG, INFO, WARNING, ERROR; got 'LOUD'"),
+    (
+        "name",
+        "my run",
+        "name: 'my run' is not a valid name (letters, digits, _ and -; starts with a letter)",
+    ),
+    (
+        "stages.rollout.roles",
+        {"driver": {"backend": "synthetic"}},
+        "stages.rollout.roles.driver: 'driver' is not a valid role name ('driver' is reserved "
+        "for coordinator ops)",
+    ),
+    ("transport.protocol", "udp", "transport.protocol: must be one of 'ipc', 'tcp'; got 'udp'"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "message"), BAD, ids=[b[0] for b in BAD])
+def test_bad_config_names_the_key_and_the_fix(path, value, message):
+    with pytest.raises(ConfigError) as info:
+        load_topology(edit(path, value))
+    assert str(info.value) == message
+
+
+def test_sequential_mode_forbids_offpolicy():
+    data = base()
+    data["run"].update(mode="sequential", max_offpolicy_steps=1)
+    with pytest.raises(
+        ConfigError, match=r"^run.max_offpolicy_steps: must be 0 when run.mode is 'sequential'"
+    ):
+        load_topology(data)
+
+
+REGISTRY_BAD = [
+    (
+        "stages.reward.roles.reward.backend",
+        "nope",
+        "stages.reward.roles.reward.backend: unknown backend 'nope' for role kind 'reward'; "
+        "known: function, http, model, synthetic, zmq",
+    ),
+    ("data.source", "s3", "data.source: unknown data source 's3'; known: synthetic"),
+    (
+        "data.fields",
+        ["prompt_ids", "answers"],
+        "data.fields[1]: the synthetic source cannot provide 'answers'; it provides "
+        "prompt_ids, prompt_mask, sample_idx",
+    ),
+    (
+        "data.options",
+        {"prompt_length": 0},
+        "data.options.prompt_length: must be an int >= 1, got 0",
+    ),
+    (
+        "metrics.backends",
+        ["jsonl", "carrier_pigeon"],
+        "metrics.backends[1]: unknown metrics backend 'carrier_pigeon'; known: jsonl, memory",
+    ),
+    (
+        "dataflow.3",
+        {"role": "driver", "op": "no_such_op", "scope": "step"},
+        "dataflow[3].op: unknown driver op 'no_such_op'; registered: identity, or give "
+        "'package.module:function'",
+    ),
+    (
+        "stages.reward.devices",
+        "cuda:7",
+        "stages.reward.devices: cuda:7 is not available: this machine has 0 CUDA device(s)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"), REGISTRY_BAD, ids=[b[0] for b in REGISTRY_BAD]
+)
+def test_registry_checks_name_the_key(path, value, message):
+    import torch
+
+    if path == "stages.reward.devices" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has 8+ GPUs")
+    topo = load_topology(edit(path, value))
+    with pytest.raises(ConfigError) as info:
+        build_plan(topo, check_devices=True)
+    # registries grow as backends/sinks are added: compare up to the "known:" list's start
+    got, want = str(info.value), message
+    if "unknown backend" in want or "metrics backend" in want:
+        assert got.split("known: ")[0] == want.split("known: ")[0]
+        assert set(want.split("known: ")[1].split(", ")) <= set(got.split("known: ")[1].split(", "))
+    else:
+        assert got == want
+
+
+def test_presets_load_and_plan():
+    assert "overlap" in preset_names()
+    topo = load_topology("overlap")
+    plan = build_plan(topo)
+    assert topo.run.micro_batches >= 8
+    assert [p.name for p in plan.processes] == ["rollout/0", "reward/0", "actor/0"]
+    assert [op.head for op in plan.ops] == [True, False, False, False, False, False]
+    assert plan.ops[3].deps == (0, 1, 2)  # a step op waits for everything before it
+
+
+def test_unknown_config_names_presets():
+    with pytest.raises(
+        ConfigError, match=r"neither a file nor a bundled preset; presets: .*overlap"
+    ):
+        load_topology("no-such-thing")
+
+
+def test_overrides_and_file(tmp_path):
+    import yaml
+
+    f = tmp_path / "t.yaml"
+    f.write_text(yaml.safe_dump(base()))
+    topo = load_topology(str(f), ["run.steps=5", "stages.reward.replicas=2"])
+    assert topo.run.steps == 5 and topo.stages["reward"].replicas == 2
+    with pytest.raises(ConfigError, match=r"^stages.reward.replicas: must be >= 1, got 0$"):
+        load_topology(str(f), ["stages.reward.replicas=0"])
+
+
+def test_round_trip_and_hash_are_stable():
+    topo = load_topology(base())
+    again = from_dict(Topology, copy.deepcopy(to_dict(topo)))
+    assert again == topo and config_hash(again) == config_hash(topo)
+    other = load_topology(edit("run.steps", 3))
+    assert config_hash(other) != config_hash(topo)

@@ -1,0 +1,301 @@
+"""Scheduler ordering rules, without processes: the real Scheduler and the real synthetic
+role, with a simulated cluster that completes queued tasks in a seeded random order
+(FIFO per replica, as a stage process does). Every rule of pipeline/scheduler.py is
+checked on the event log of many interleavings."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridflow.config.schema import load_topology
+from hybridflow.errors import PipelineError, StageError
+from hybridflow.pipeline.data_source import create_source
+from hybridflow.pipeline.driver import resolve_driver_op
+from hybridflow.pipeline.scheduler import DRIVER_REPLICA, Scheduler, concat_rows
+from hybridflow.pipeline.topology import Plan, build_plan
+from hybridflow.stages.base import StageContext
+from hybridflow.stages.synthetic import SyntheticRole
+
+SYN = {"backend": "synthetic", "options": {"expect_ordered": ["update"]}}
+
+
+def topology(**run: Any) -> dict[str, Any]:
+    return {
+        "name": "sched",
+        "run": {"steps": 4, "step_batch": 8, "micro_batch": 2, "max_inflight": 2, **run},
+        "data": {"fields": ["sample_idx", "prompt_ids"]},
+        "stages": {
+            "rollout": {"roles": {"rollout": {"backend": "synthetic"}}, "replicas": 2},
+            "reward": {"roles": {"reward": {"backend": "synthetic"}}, "replicas": 2},
+            "actor": {"roles": {"actor": SYN}},
+        },
+        "dataflow": [
+            {
+                "role": "rollout",
+                "op": "generate",
+                "inputs": ["sample_idx", "prompt_ids"],
+                "outputs": ["response_ids"],
+                "phase": "rollout",
+            },
+            {
+                "role": "reward",
+                "op": "score",
+                "inputs": ["sample_idx", "response_ids"],
+                "outputs": ["rewards"],
+                "phase": "reward",
+            },
+            {
+                "role": "driver",
+                "op": "identity",
+                "inputs": ["rewards"],
+                "outputs": ["rewards_out"],
+                "phase": "adv",
+            },
+            {
+                "role": "actor",
+                "op": "update",
+                "inputs": ["sample_idx", "response_ids", "rewards_out"],
+                "phase": "train",
+            },
+            {"role": "actor", "op": "optimizer_step", "scope": "step", "phase": "train"},
+            {
+                "role": "actor",
+                "op": "reshard",
+                "scope": "step",
+                "outputs": ["weights"],
+                "phase": "reshard",
+            },
+            {
+                "role": "rollout",
+                "op": "load_weights",
+                "scope": "step",
+                "inputs": ["weights"],
+                "phase": "reshard",
+            },
+        ],
+        "metrics": {"backends": ["memory"]},
+    }
+
+
+class Cluster:
+    """Runs dispatches with in-process synthetic roles; completes them in random order."""
+
+    def __init__(self, plan: Plan, seed: int) -> None:
+        self.plan = plan
+        self.rng = random.Random(seed)
+        self.queues: dict[tuple[str, int], deque[Any]] = {}
+        self.roles: dict[str, SyntheticRole] = {}
+        for stage, cfg in plan.topology.stages.items():
+            for r in range(cfg.replicas):
+                self.queues[(stage, r)] = deque()
+            for name, rc in cfg.roles.items():
+                role = SyntheticRole()
+                role.setup(
+                    StageContext(
+                        stage=stage,
+                        replica=0,
+                        device=torch.device("cpu"),
+                        seed=0,
+                        run_dir=Path("."),
+                        options=dict(rc.options),
+                        world={"role": name, "dataflow": plan.role_ops(name)},
+                    )
+                )
+                self.roles[name] = role
+        self.queues[("driver", DRIVER_REPLICA)] = deque()
+
+    def run(self, sched: Scheduler, max_iters: int = 100_000) -> None:
+        source = create_source(self.plan.topology.data, 0)
+        pending_data: list[int] = []
+        for _ in range(max_iters):
+            if sched.done:
+                return
+            pending_data += sched.data_requests()
+            if pending_data and self.rng.random() < 0.5:  # data arrives late, sometimes
+                s = pending_data.pop(0)
+                sched.add_data(s, source.batch(s, self.plan.topology.run.step_batch))
+            for d in sched.ready():
+                for stage, r in self._targets(d):
+                    self.queues[(stage, r)].append(d)
+                    if stage != "driver":
+                        assert sched.inflight[stage][r] <= self.plan.topology.run.max_inflight
+            busy = [k for k, q in self.queues.items() if q]
+            if not busy:
+                continue
+            stage, r = self.rng.choice(busy)
+            d = self.queues[(stage, r)].popleft()
+            params = {"step": d.step, "mb_id": d.mb_id, "policy_version": d.policy_version}
+            if stage == "driver":
+                out, metrics = resolve_driver_op(d.op.cfg.op, "")(d.inputs, params)
+            else:
+                out, metrics = self.roles[d.op.cfg.role].handle(d.op.cfg.op, d.inputs, params)
+            sched.complete(d.task_id, r, out, metrics, 0.001)
+        raise AssertionError("simulation did not finish")
+
+    @staticmethod
+    def _targets(d: Any) -> list[tuple[str, int]]:
+        if d.op.stage is None:
+            return [("driver", DRIVER_REPLICA)]
+        return [(d.op.stage, r) for r in d.replicas]
+
+
+def simulate(seed: int = 0, collect: tuple[str, ...] = (), **run: Any) -> tuple[Plan, Scheduler]:
+    plan = build_plan(load_topology(topology(**run)))
+    clock = itertools.count()
+    sched = Scheduler(plan, clock=lambda: float(next(clock)))
+    sched.collect = collect
+    Cluster(plan, seed).run(sched)
+    return plan, sched
+
+
+SEEDS = range(6)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_micro_batch_once_and_in_order(seed):
+    plan, sched = simulate(seed, collect=("sample_idx", "rewards", "rewards_out"))
+    dispatched = [(e.step, e.op, e.mb_id) for e in sched.events if e.kind == "dispatch"]
+    assert len(dispatched) == len(set(dispatched))
+    n_mb, steps = plan.topology.run.micro_batches, plan.topology.run.steps
+    for op in plan.ops:
+        got = [(s, m) for s, j, m in dispatched if j == op.index]
+        want = (
+            [(s, -1) for s in range(steps)]
+            if op.is_step
+            else [(s, m) for s in range(steps) for m in range(n_mb)]
+        )
+        assert got == want, op.label  # exactly once, in (step, mb) order
+    for s in range(steps):
+        ids = torch.cat(sched.collected[s]["sample_idx"])
+        assert torch.equal(ids, torch.arange(s * 8, (s + 1) * 8))
+        assert torch.equal(torch.cat(sched.collected[s]["rewards_out"]), ids.float())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_k0_no_rollout_before_previous_reshard(seed):
+    _, sched = simulate(seed, max_offpolicy_steps=0)
+    finish = {e.step: i for i, e in enumerate(sched.events) if e.kind == "finish"}
+    load_done = {e.step: i for i, e in enumerate(sched.events) if e.kind == "done" and e.op == 6}
+    for i, e in enumerate(sched.events):
+        if e.kind == "dispatch" and e.op == 0 and e.step > 0:
+            assert i > load_done[e.step - 1] and i > finish[e.step - 1]
+            assert e.policy_version == e.step
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_k_bounds_how_far_rollout_runs_ahead(k, seed):
+    _, sched = simulate(seed, max_offpolicy_steps=k, steps=6)
+    finish = {e.step: i for i, e in enumerate(sched.events) if e.kind == "finish"}
+    ahead = 0
+    for i, e in enumerate(sched.events):
+        if e.kind == "dispatch" and e.op == 0:
+            assert e.policy_version >= e.step - k  # at most k versions behind
+            if e.step - k - 1 >= 0:
+                assert i > finish[e.step - k - 1]
+            ahead = max(ahead, e.step - e.policy_version)
+    assert ahead >= 1  # and it does run ahead (else k would buy nothing)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_train_waits_for_previous_optimizer_step_even_off_policy(seed):
+    _, sched = simulate(seed, max_offpolicy_steps=2, steps=5)
+    done = {
+        (e.step, e.op): i for i, e in enumerate(sched.events) if e.kind == "done" and e.mb_id == -1
+    }
+    for i, e in enumerate(sched.events):
+        if e.kind == "dispatch" and e.op == 3 and e.step > 0:  # actor.update
+            assert i > done[(e.step - 1, 4)] and i > done[(e.step - 1, 5)]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sequential_mode_is_a_phase_barrier(seed):
+    plan, sched = simulate(seed, mode="sequential")
+    phase = {op.index: op.phase_index for op in plan.ops}
+    last_done: dict[tuple[int, int], int] = {}
+    for i, e in enumerate(sched.events):
+        if e.kind == "done":
+            last_done[(e.step, phase[e.op])] = i
+    for i, e in enumerate(sched.events):
+        if e.kind == "dispatch":
+            for p in range(phase[e.op]):
+                assert last_done[(e.step, p)] < i
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_streamed_mode_overlaps_phases(seed):
+    # 8 micro-batches, 4 rollout slots (2 replicas x max_inflight 2): scoring must start
+    # while rollout of the step is still going.
+    _, sched = simulate(seed, step_batch=16, steps=2)
+    first_score = next(i for i, e in enumerate(sched.events) if e.kind == "dispatch" and e.op == 1)
+    last_rollout = max(
+        i for i, e in enumerate(sched.events) if e.kind == "done" and e.op == 0 and e.step == 0
+    )
+    assert first_score < last_rollout
+
+
+def test_balance_and_broadcast():
+    _, sched = simulate(0)
+    per_replica = {0: 0, 1: 0}
+    for e in sched.events:
+        if e.kind == "dispatch" and e.op == 1:
+            per_replica[e.replica] += 1
+    assert per_replica[0] > 0 and per_replica[1] > 0
+    first = next(e for e in sched.events if e.kind == "dispatch" and e.op == 0)
+    assert first.replica == 0  # deterministic tie-break: lowest index
+    loads = [e for e in sched.events if e.kind == "done" and e.op == 6 and e.step == 0]
+    assert sorted(e.replica for e in loads) == [0, 1]  # step ops go to every replica
+
+
+def test_step_values_concatenate_and_split_back():
+    data = topology(steps=2)
+    data["dataflow"][2]["scope"] = "step"  # identity over the whole step, sliced per mb after
+    data["dataflow"][2]["phase"] = "adv"
+    plan = build_plan(load_topology(data))
+    assert plan.ops[3].deps == (0, 2)  # update waits for the step-level value
+    clock = itertools.count()
+    sched = Scheduler(plan, clock=lambda: float(next(clock)))
+    sched.collect = ("rewards_out", "sample_idx")
+    Cluster(plan, 3).run(sched)
+    got = sched.collected[1]
+    assert torch.equal(got["rewards_out"][0], torch.arange(8, 16).float())
+
+
+def test_missing_output_is_a_stage_error():
+    plan = build_plan(load_topology(topology(steps=1)))
+    sched = Scheduler(plan)
+    sched.data_requests()
+    sched.add_data(0, create_source(plan.topology.data, 0).batch(0, 8))
+    d = sched.ready()[0]
+    with pytest.raises(
+        StageError,
+        match=r"rollout.generate \(step 0, micro-batch 0\) returned \['wrong'\]; .* missing \['response_ids'\]",
+    ):
+        sched.complete(d.task_id, d.replicas[0], {"wrong": torch.zeros(2)}, {})
+
+
+def test_bad_data_batch_is_rejected():
+    plan = build_plan(load_topology(topology(steps=1)))
+    sched = Scheduler(plan)
+    with pytest.raises(
+        PipelineError, match=r"fields \['prompt_ids'\] for step 0; data.fields says"
+    ):
+        sched.add_data(0, {"prompt_ids": torch.zeros(8, 3)})
+    with pytest.raises(
+        PipelineError, match=r"'sample_idx' has shape \[4\] for step 0; expected 8 rows"
+    ):
+        sched.add_data(0, {"prompt_ids": torch.zeros(8, 3), "sample_idx": torch.zeros(4)})
+
+
+def test_concat_rows_pads_ragged_trailing_dims():
+    a, b = torch.ones(2, 3, dtype=torch.int64), torch.full((1, 5), 2)
+    out = concat_rows([a, b])
+    assert out.shape == (3, 5)
+    assert out[:2, 3:].eq(0).all() and out[2].eq(2).all() and out[:2, :3].eq(1).all()
