@@ -39,7 +39,11 @@ Invariants:
   - after a failed or incomplete weight update `generate` raises until a complete update
     succeeds (never samples from mixed weights);
   - sampling is seeded per request (`seed` + row), so a micro-batch's samples do not
-    depend on what else the engine is running.
+    depend on what else the engine is running; the process's global RNGs are left as
+    they were (a colocated actor shares them);
+  - bucket tensors are only referenced, never copied: those of a layer still missing
+    tensors stay referenced until the layer completes (zero-copy transport views stay
+    leased until then), so at most one partly received layer per bucket boundary.
 """
 
 from __future__ import annotations
@@ -230,9 +234,7 @@ class VLLMRollout:
             self._sampling_params(opts, (seed + i) % (1 << 63)) for i in range(len(prompts))
         ]
         t0 = time.perf_counter()
-        outs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False
-        )
+        outs = vllm_compat.generate(self.llm, prompts, sampling)
         gen_s = time.perf_counter() - t0
         result = _pack(outs, opts.n, self.pad_id)
         result["prompt_ids"] = prompt_ids.repeat_interleave(opts.n, dim=0)

@@ -164,6 +164,18 @@ def build_engine(**engine_kwargs: Any) -> Any:
         torch.set_num_threads(threads)
 
 
+def generate(llm: Any, prompts: list[list[int]], sampling: list[Any]) -> list[Any]:
+    """`llm.generate` on token-id prompts, leaving the process's torch RNG as it was.
+
+    vLLM's CPU sampler draws one seed per row from the global torch RNG at every step,
+    even for rows that have their own seeded generator (seen in 0.32's `forward_cpu`); a
+    colocated actor's random stream must not depend on how many tokens were generated.
+    """
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+
+
 def engine_vocab_size(llm: Any) -> int:
     return int(llm.llm_engine.model_config.get_vocab_size())
 

@@ -66,7 +66,9 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def actor_logprobs(model, out: dict[str, torch.Tensor], temperature: float, top_k: int = 0):
+def actor_logprobs(
+    model, out: dict[str, torch.Tensor], temperature: float, top_k: int = 0, top_p: float = 1.0
+):
     """What the actor recomputes: one forward over [prompt | response] (left-padded prompt,
     positions from the mask), logits / T, log-prob of each response token. [B, R]"""
     ids = torch.cat([out["prompt_ids"], out["response_ids"]], dim=1)
@@ -78,6 +80,11 @@ def actor_logprobs(model, out: dict[str, torch.Tensor], temperature: float, top_
     if top_k:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:  # nucleus: drop a token once the mass before it reaches top_p
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logprobs_from_logits(logits, out["response_ids"], out["response_mask"])
 
 
@@ -126,24 +133,28 @@ def test_in_process_handoff_matches_bucketed_reshard(rollout):
     assert responses(out) == [hf_greedy(model, p) for p in prompts]
 
 
-@pytest.mark.parametrize(("temperature", "top_k"), [(0.7, 0), (1.0, 0), (1.3, 8)])
-def test_sampling_logprobs_match_actor_recompute(rollout, temperature, top_k):
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, 0, 1.0), (1.0, 0, 1.0), (1.3, 8, 1.0), (1.0, 0, 0.8)]
+)
+def test_sampling_logprobs_match_actor_recompute(rollout, temperature, top_k, top_p):
+    """(2) Without top-k/top-p: exactly the actor's log_softmax(logits / T). With them:
+    the same, renormalised over the kept tokens (the distribution actually sampled)."""
     model = perturbed(seed=31)
     reshard(rollout, model, per_bucket=5)
     ids, mask = left_pad(some_prompts(seed=3))
     out, _ = rollout.handle(
         "generate",
         {"prompt_ids": ids, "prompt_mask": mask},
-        {"temperature": temperature, "top_k": top_k, "n": 3, "seed": 7},
+        {"temperature": temperature, "top_k": top_k, "top_p": top_p, "n": 3, "seed": 7},
     )
-    ref = actor_logprobs(model, out, temperature, top_k)
+    ref = actor_logprobs(model, out, temperature, top_k, top_p)
     valid = out["response_mask"].bool()
     diff = (out["rollout_logprobs"] - ref).abs()[valid]
     assert valid.sum() > 0 and torch.isfinite(out["rollout_logprobs"][valid]).all()
     assert diff.max().item() <= LOGPROB_TOL, f"max |vllm - actor| = {diff.max().item():.3g}"
     assert (out["rollout_logprobs"][~valid] == 0).all()
     # Not vacuous: the actor's numbers at a different temperature disagree.
-    other = actor_logprobs(model, out, temperature * 2, top_k)
+    other = actor_logprobs(model, out, temperature * 2, top_k, top_p)
     assert (out["rollout_logprobs"] - other).abs()[valid].max() > 100 * LOGPROB_TOL
 
 
@@ -153,9 +164,11 @@ def test_n_samples_layout_and_eos_stop(rollout):
     prompts = some_prompts(seed=4, count=3)
     ids, mask = left_pad(prompts)
     n = 4
+    rng = torch.random.get_rng_state()
     out, metrics = rollout.handle(
         "generate", {"prompt_ids": ids, "prompt_mask": mask}, {"n": n, "temperature": 1.0}
     )
+    assert torch.equal(torch.random.get_rng_state(), rng), "sampling consumed the global RNG"
     rows = len(prompts) * n
     assert out["group_index"].tolist() == [i for i in range(len(prompts)) for _ in range(n)]
     assert torch.equal(out["prompt_ids"], ids.repeat_interleave(n, dim=0))
