@@ -40,6 +40,11 @@ def result_for(t: Task, **metrics: float) -> Result:
     )
 
 
+def bump(t: torch.Tensor) -> torch.Tensor:
+    """A value-changing op for every dtype (new memory, same device)."""
+    return ~t if t.dtype == torch.bool else t + 1
+
+
 def hello() -> Hello:
     return Hello(stage="peer", replica=0, pid=os.getpid(), roles=[], config_hash="test")
 
@@ -64,6 +69,7 @@ async def _echo(endpoint: str, kind: str, run_id: str, cuda: str, device: int) -
     else:
         inbox = Channel("pull", endpoint, bind=False, name="echo-in", run_id=run_id)
         outbox = Channel("push", endpoint + ".back", bind=False, name="echo-out", run_id=run_id)
+    kept = []
     try:
         while True:
             r = await inbox.recv()
@@ -72,7 +78,10 @@ async def _echo(endpoint: str, kind: str, run_id: str, cuda: str, device: int) -
             if isinstance(r.msg, Task):
                 tensors = r.tensors
                 if r.msg.op == "add_one":  # prove the receiver got usable tensors
-                    tensors = {k: v + 1 for k, v in tensors.items()}
+                    tensors = {k: bump(v) for k, v in tensors.items()}
+                elif r.msg.op == "hold":  # keep them (never ack) and answer without them
+                    kept.append(tensors)
+                    tensors = {}
                 await outbox.send(result_for(r.msg), tensors)
                 del r, tensors
     finally:
@@ -145,7 +154,7 @@ async def _nccl_echo(port: int, endpoint: str) -> None:
             if isinstance(r.msg, Task):
                 tensors = r.tensors
                 if r.msg.op == "add_one":
-                    tensors = {k: v + 1 for k, v in tensors.items()}
+                    tensors = {k: bump(v) for k, v in tensors.items()}
                 devices = {k: float(v.device.index or 0) for k, v in tensors.items()}
                 await ch.send(result_for(r.msg, **devices), tensors)
     finally:
