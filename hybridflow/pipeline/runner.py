@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -125,7 +126,7 @@ def _specs(plan: Plan, run_id: str, run_dir: Path, endpoint: str) -> list[Proces
             name=p.name,
             target=STAGE_ENTRY,
             payload={
-                "topology": topo_data,
+                "topology": copy.deepcopy(topo_data),  # each its own: launchers may edit
                 "stage": p.stage,
                 "replica": p.replica,
                 "endpoint": endpoint,

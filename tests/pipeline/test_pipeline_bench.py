@@ -1,0 +1,34 @@
+"""`hybridflow bench overlap` runs end to end and reports what it promises (structure and
+consistency only: timing numbers belong to the benchmark, not to assertions)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from hybridflow.bench import overlap
+
+
+def test_bench_overlap_quick_reports_every_field(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    small = [
+        "run.step_batch=16",
+        "run.micro_batch=2",
+        *(f"stages.{s}.roles.{s}.options.ms_per_sample=1" for s in ("rollout", "reward", "actor")),
+    ]
+    args = argparse.Namespace(config=None, overrides=small, quick=True, json=True, out=None)
+    res = overlap.run(args)
+    assert res["micro_batches"] == 8 and res["steps"] == 1
+    for key in (
+        "sequential_s",
+        "streamed_s",
+        "ideal_s",
+        "speedup",
+        "efficiency",
+        "overhead_us_per_event",
+    ):
+        assert isinstance(res[key], float) and res[key] > 0, key
+    assert res["speedup"] == pytest.approx(res["sequential_s"] / res["streamed_s"], rel=0.01)
+    assert res["efficiency"] == pytest.approx(res["ideal_s"] / res["streamed_s"], rel=0.01)
+    assert res["zero_cost_tasks"] == 3 * (3 * 8 + 3)  # 3 steps x (3 mb ops x 8 + 3 step ops)

@@ -1,0 +1,121 @@
+"""`hybridflow validate` / `hybridflow run` as a user meets them: printed topology, exit
+codes, one-line errors, and Ctrl-C (SIGINT to the launching process) with no orphans."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import yaml
+from conftest import leftovers, small_topology
+
+from hybridflow.cli import main
+
+
+def test_validate_prints_the_resolved_topology(capsys):
+    assert main(["validate", "overlap", "--set", "stages.reward.replicas=2"]) == 0
+    out = capsys.readouterr().out
+    assert "topology 'overlap'" in out
+    assert "processes (4):" in out
+    for line in ("rollout/0", "reward/0", "reward/1", "actor/0"):
+        assert line in out
+    assert "[3] step rollout.load_weights" not in out  # op 3 is the optimizer step
+    assert "[3] step actor.optimizer_step() -> ()  on actor" in out
+    assert "rollout.generate -> reward.score: response_ids" in out
+    assert out.rstrip().endswith("ok")
+
+
+def test_validate_json_and_colocation(tmp_path, capsys):
+    data = small_topology(tmp_path)
+    stages = data["stages"]
+    stages["engine"] = {
+        "roles": {
+            "actor": stages.pop("actor")["roles"]["actor"],
+            "rollout": stages.pop("rollout")["roles"]["rollout"],
+        }
+    }
+    f = tmp_path / "t.yaml"
+    f.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert main(["validate", str(f), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [(p["name"], sorted(p["roles"])) for p in d["processes"]] == [
+        ("reward/0", ["reward"]),
+        ("engine/0", ["actor", "rollout"]),
+    ]
+    assert d["ops"][0] == {
+        "op": "rollout.generate",
+        "scope": "micro_batch",
+        "phase": "rollout",
+        "runs_on": "engine",
+        "inputs": ["sample_idx", "prompt_ids"],
+        "outputs": ["response_ids"],
+        "head": True,
+    }
+
+
+def test_bad_config_exits_2_with_one_line(tmp_path, capsys):
+    f = tmp_path / "t.yaml"
+    f.write_text(yaml.safe_dump(small_topology(tmp_path)))
+    assert main(["run", str(f), "--set", "stages.reward.replicas=0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hybridflow: error: stages.reward.replicas: must be >= 1, got 0"]
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Stage processes (by command line) whose parent is `pid`."""
+    out = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != pid:
+                continue
+            with open(stat.replace("stat", "cmdline"), "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if "hybridflow.pipeline.launcher" in cmd:
+            out[int(stat.split("/")[2])] = cmd
+    return out
+
+
+def test_sigint_to_the_launcher_exits_130_and_leaves_nothing(tmp_path):
+    data = small_topology(tmp_path, steps=500)
+    f = tmp_path / "t.yaml"
+    f.write_text(yaml.safe_dump(data, sort_keys=False))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridflow", "run", str(f)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and metrics.read_text().strip()):  # a step went through
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "run never got going"
+            time.sleep(0.1)
+        kids = _children(proc.pid)
+        assert len(kids) == 3
+        assert sorted(cmd.split()[3] for cmd in kids.values()) == [
+            "actor/0",
+            "reward/0",
+            "rollout/0",
+        ]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err.decode()
+    assert err.decode().strip().splitlines()[-1] == "hybridflow: interrupted"
+    run_id = next(iter(kids.values())).split()[4]
+    assert not leftovers(run_id, list(kids))
+    assert not os.path.exists(f"/proc/{proc.pid}")
