@@ -177,7 +177,9 @@ class VLLMRollout:
         return kw
 
     def close(self) -> None:
-        self.llm = None  # vLLM frees the in-process engine when its last reference goes
+        if self.llm is not None:
+            vllm_compat.shutdown(self.llm)
+        self.llm = None
         self._update = None
 
     def state_dict(self) -> dict[str, Any]:

@@ -152,16 +152,25 @@ def build_engine(**engine_kwargs: Any) -> Any:
     np_state = np.random.get_state()
     py_state = random.getstate()
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    # Without a tokenizer (token ids in and out) vLLM's chat-template warm-up fails and
+    # logs a traceback at WARNING on every start; it is expected here, so it is dropped.
+    renderer_log = logging.getLogger("vllm.renderers.base")
+    renderer_log.addFilter(_drop_chat_warmup)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecation noise from vLLM's dependencies
             return vllm.LLM(**engine_kwargs)
     finally:
+        renderer_log.removeFilter(_drop_chat_warmup)
         torch.random.set_rng_state(torch_state)
         np.random.set_state(np_state)
         random.setstate(py_state)
         torch.set_num_threads = set_threads  # type: ignore[assignment]
         torch.set_num_threads(threads)
+
+
+def _drop_chat_warmup(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Chat template warmup failed")
 
 
 def generate(llm: Any, prompts: list[list[int]], sampling: list[Any]) -> list[Any]:
@@ -174,6 +183,17 @@ def generate(llm: Any, prompts: list[list[int]], sampling: list[Any]) -> list[An
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         return llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+
+
+def shutdown(llm: Any) -> None:
+    """Stop the in-process engine core (executor, worker) now rather than at GC time."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is None:
+        return
+    try:
+        core.shutdown()
+    except Exception:  # shutdown runs at close, often after another error: log, go on
+        log.exception("vllm engine shutdown failed")
 
 
 def engine_vocab_size(llm: Any) -> int:
@@ -224,6 +244,7 @@ class WeightUpdate:
     loaded: set[str] = field(default_factory=set)
     tensors: int = 0
     bytes: int = 0
+    current: str = ""  # the tensor being loaded (named in errors)
 
     def start(self) -> None:
         if self.active:
@@ -244,7 +265,11 @@ class WeightUpdate:
             raise
         except Exception as exc:  # vLLM's loaders raise KeyError/AssertionError/RuntimeError
             self.abort()
-            raise WeightSyncError(f"loading weights into the vLLM engine failed: {exc!r}") from exc
+            raise WeightSyncError(
+                f"loading weights into the vLLM engine failed (last tensor handed over: "
+                f"{self.current!r}): {exc!r} "
+                "(an unknown name or a shape that differs from the model's checkpoint)"
+            ) from exc
         self.loaded.update(loaded)
 
     def finish(self) -> None:
@@ -283,6 +308,7 @@ class WeightUpdate:
                 )
             self.tensors += 1
             self.bytes += tensor.numel() * tensor.element_size()
+            self.current = f"{name} {tuple(tensor.shape)}"
             yield name, tensor
 
 

@@ -307,6 +307,14 @@ def test_incomplete_weight_update_blocks_generation(rollout):
         rollout.handle("load_weights", rest, {"last": True})
     with pytest.raises(WeightSyncError, match="will not generate"):
         rollout.handle("generate", {"prompt_ids": ids, "prompt_mask": mask}, {})
+    # Unknown names and wrong shapes are refused (BatchError, as in the hf backend).
+    with pytest.raises(BatchError, match="no_such"):
+        rollout.handle("load_weights", {"model.layers.0.no_such.weight": torch.zeros(2)}, {})
+    name, tensor = items[0]
+    with pytest.raises(BatchError):
+        rollout.handle("load_weights", {name: tensor[:-1]}, {})
+    with pytest.raises(WeightSyncError, match="will not generate"):
+        rollout.handle("generate", {"prompt_ids": ids, "prompt_mask": mask}, {})
     # A complete update recovers.
     reshard(rollout, model)
     out, _ = rollout.handle(
