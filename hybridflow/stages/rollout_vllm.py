@@ -124,7 +124,7 @@ class VLLMRollout:
         self.calls = 0  # generate calls so far: part of the default per-request seed
         self.policy_version: int | None = None
         self.weights_ok = True  # False after a failed/incomplete update
-        self.asleep = False
+        self.asleep: set[str] = set()  # what sleep() released and wake_up() has not restored
         self._update: vllm_compat.WeightUpdate | None = None
         self._update_t0 = 0.0
 
@@ -292,7 +292,9 @@ class VLLMRollout:
                 "mixed weights and will not generate until a complete update succeeds"
             )
         if self.asleep:
-            raise BatchError(f"{where}: the engine is asleep; call wake_up first")
+            raise BatchError(
+                f"{where}: the engine is asleep ({sorted(self.asleep)} released); call wake_up"
+            )
 
     # ------------------------------------------------------------------ weights
 
@@ -322,8 +324,8 @@ class VLLMRollout:
 
     def _begin(self) -> None:
         assert self._update is not None
-        if self.asleep and self.on_gpu:
-            vllm_compat.wake_up(self.llm, ["weights"])  # weights back before writing them
+        if "weights" in self.asleep:
+            self.wake_up(["weights"])  # weights back before writing them
         self.weights_ok = False  # until this update completes
         self._update_t0 = time.perf_counter()
         self._update.start()
@@ -353,16 +355,16 @@ class VLLMRollout:
         if not (self.on_gpu and self.opts.sleep_mode):
             return {"rollout/sleep_skipped": 1.0}
         vllm_compat.sleep(self.llm, self.opts.sleep_level)
-        self.asleep = True
+        self.asleep = {"weights", "kv_cache"}
         return {"rollout/sleep_skipped": 0.0}
 
     def wake_up(self, tags: list[str] | None = None) -> Metrics:
         """After reshard (colocated): reallocate what `sleep` freed (None = everything)."""
-        if not self.asleep:
+        wanted = set(self.asleep) if tags is None else self.asleep & set(tags)
+        if not wanted:
             return {"rollout/wake_skipped": 1.0}
-        vllm_compat.wake_up(self.llm, tags)
-        if tags is None or set(tags) >= {"weights", "kv_cache"}:
-            self.asleep = False
+        vllm_compat.wake_up(self.llm, sorted(wanted))
+        self.asleep -= wanted
         return {"rollout/wake_skipped": 0.0}
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridflow.config.loader import from_dict
-from hybridflow.errors import ConfigError
+from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages import vllm_compat
 from hybridflow.stages.base import StageContext
 from hybridflow.stages.rollout_vllm import VLLMRollout, VLLMRolloutOptions
@@ -64,3 +64,28 @@ def test_version_gate(monkeypatch):
         vllm_compat.check_version("0.33.0")
     monkeypatch.setenv("HYBRIDFLOW_VLLM_ANY_VERSION", "1")
     vllm_compat.check_version("0.28.0")
+
+
+def test_sleep_wake_bookkeeping_with_a_fake_engine_seam(monkeypatch):
+    """GPU-only path, run here with vllm_compat.sleep/wake_up faked (the seam to vLLM):
+    what sleep() released is restored tag by tag, and generate waits for all of it."""
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(vllm_compat, "sleep", lambda llm, level: calls.append(("sleep", level)))
+    monkeypatch.setattr(vllm_compat, "wake_up", lambda llm, tags: calls.append(("wake", tags)))
+    role = VLLMRollout()
+    role.opts, role.on_gpu, role.llm = options(model="tiny-vllm", sleep_level=2), True, object()
+    role._update = vllm_compat.WeightUpdate(llm=None)
+
+    assert role.handle("sleep", {}, {})[1] == {"rollout/sleep_skipped": 0.0}
+    with pytest.raises(BatchError, match="asleep"):
+        role._check_ready("generate")
+    assert role.wake_up(["weights"]) == {"rollout/wake_skipped": 0.0}
+    with pytest.raises(BatchError, match=r"\['kv_cache'\]"):
+        role._check_ready("generate")
+    assert role.handle("wake_up", {}, {"tags": ["kv_cache"]})[1] == {"rollout/wake_skipped": 0.0}
+    role._check_ready("generate")
+    assert role.wake_up(None) == {"rollout/wake_skipped": 1.0}
+    assert calls == [("sleep", 2), ("wake", ["weights"]), ("wake", ["kv_cache"])]
+    # On CPU (or with sleep_mode off) both are no-ops.
+    role.on_gpu = False
+    assert role.handle("sleep", {}, {})[1] == {"rollout/sleep_skipped": 1.0}
