@@ -379,7 +379,9 @@ class Coordinator:
         while True:
             await asyncio.sleep(tick)
             for ex in self.launcher.poll():
-                peer = self.peers[ex.name.encode()]
+                ident = ex.name.encode()
+                peer = self.peers[ident]
+                self.chan.forget_peer(ident, ex.pid)  # free what we hold for it, sweep its shm
                 self._fail(
                     StageDeadError(
                         f"stage {peer.info.stage} replica {peer.info.replica} (pid {ex.pid}) "
@@ -389,8 +391,9 @@ class Coordinator:
                 )
                 return
             now = loop.time()
-            for peer in self.peers.values():
+            for ident, peer in self.peers.items():
                 if peer.connected and now - peer.last_seen > live.heartbeat_timeout_s:
+                    self.chan.forget_peer(ident, peer.pid)
                     self._fail(
                         StageDeadError(
                             f"stage {peer.info.stage} replica {peer.info.replica} (pid {peer.pid}) "

@@ -42,9 +42,9 @@ from hybridflow.pipeline.topology import build_plan
 from hybridflow.stages import StageContext, create_role
 from hybridflow.stages.base import Role
 from hybridflow.transport.channel import Channel, Received
+from hybridflow.transport.liveness import Heartbeater
 from hybridflow.transport.protocol import (
     Failure,
-    Heartbeat,
     Hello,
     Msg,
     Result,
@@ -99,7 +99,6 @@ class StageProcess:
         self._queue: asyncio.Queue[Received] = asyncio.Queue()
         self._stop = asyncio.Event()
         self._busy = False
-        self._hb_seq = 0
 
     # ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -120,11 +119,21 @@ class StageProcess:
             if code:
                 return code
             self.state = StageState.SETUP
-            tasks.append(asyncio.create_task(self._heartbeat_loop(), name="stage.heartbeat"))
+            # Heartbeats never block: one the socket cannot take now is skipped, and the
+            # silence is what the coordinator detects.
+            self.heartbeat = Heartbeater(
+                self.chan,
+                stage=self.stage,
+                replica=self.replica,
+                interval_s=self.topo.liveness.heartbeat_interval_s,
+                state=self._state_name,
+            )
+            tasks.append(self.heartbeat.start())
+            tasks.append(asyncio.create_task(self._watch_parent(), name="stage.parent"))
             tasks.append(asyncio.create_task(self._recv_loop(), name="stage.recv"))
             if await self._setup_roles():
                 self.state = StageState.READY
-                await self._beat()  # tell the coordinator at once, not one interval later
+                self.heartbeat.beat()  # tell the coordinator at once, not one interval later
                 tasks.append(asyncio.create_task(self._work_loop(), name="stage.work"))
             else:
                 self.state = StageState.FAILED
@@ -265,21 +274,15 @@ class StageProcess:
             self._busy = False
 
     # ------------------------------------------------------------------------------
-    async def _heartbeat_loop(self) -> None:
-        interval = self.topo.liveness.heartbeat_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            if not self.parent_alive():
-                log.error("parent process %d is gone; exiting", self.parent_pid)
-                self._stop.set()
-                return
-            await self._beat()
+    def _state_name(self) -> str:
+        return "busy" if self._busy and self.state is StageState.READY else self.state.value
 
-    async def _beat(self) -> None:
-        self._hb_seq += 1
-        state = "busy" if self._busy and self.state is StageState.READY else self.state.value
-        msg = Heartbeat(stage=self.stage, replica=self.replica, seq=self._hb_seq, state=state)
-        await self._send(msg)
+    async def _watch_parent(self) -> None:
+        # PR_SET_PDEATHSIG already kills us with the parent on Linux; this covers the rest.
+        while self.parent_alive():
+            await asyncio.sleep(self.topo.liveness.heartbeat_interval_s)
+        log.error("parent process %d is gone; exiting", self.parent_pid)
+        self._stop.set()
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
