@@ -1,5 +1,35 @@
 """Typed configs: strict YAML loading (loader.py), the topology schema (schema.py), presets."""
 
 from hybridflow.config.loader import apply_overrides, config_hash, from_dict, load_yaml, to_dict
+from hybridflow.config.schema import (
+    DataConfig,
+    LivenessConfig,
+    MetricsConfig,
+    OpConfig,
+    RoleConfig,
+    RunConfig,
+    StageConfig,
+    Topology,
+    TransportConfig,
+    load_topology,
+    preset_names,
+)
 
-__all__ = ["apply_overrides", "config_hash", "from_dict", "load_yaml", "to_dict"]
+__all__ = [
+    "DataConfig",
+    "LivenessConfig",
+    "MetricsConfig",
+    "OpConfig",
+    "RoleConfig",
+    "RunConfig",
+    "StageConfig",
+    "Topology",
+    "TransportConfig",
+    "apply_overrides",
+    "config_hash",
+    "from_dict",
+    "load_topology",
+    "load_yaml",
+    "preset_names",
+    "to_dict",
+]

@@ -62,6 +62,7 @@ def run_topology(
 ) -> RunResult:
     """Run `topo` to completion and return its metrics/events. Raises HybridflowError."""
     plan = build_plan(topo, check_devices=True)
+    _honour_log_level(topo.log_level)
     run_id = run_id or uuid.uuid4().hex[:12]
     run_dir = run_dir_of(topo)
     launcher = launcher or LocalLauncher()
@@ -117,6 +118,15 @@ async def _amain(
         await coord.shutdown("run finished")
         chan.close()
         source.close()
+
+
+def _honour_log_level(level: str) -> None:
+    """The topology's log_level applies to the coordinator too (stages set their own),
+    unless the caller already asked for more detail (e.g. `--log-level DEBUG`)."""
+    logger = logging.getLogger("hybridflow")
+    wanted = logging.getLevelName(level)
+    if wanted < logger.getEffectiveLevel():
+        logger.setLevel(wanted)
 
 
 def _specs(plan: Plan, run_id: str, run_dir: Path, endpoint: str) -> list[ProcessSpec]:

@@ -47,7 +47,7 @@ def test_three_stages_stream_every_micro_batch_once_in_order(topo_dict, tmp_path
     assert not leftovers(run_id, launcher.started)
 
 
-def test_colocated_replicated_off_policy(topo_dict):
+def test_colocated_replicated_off_policy_with_a_driver_op(topo_dict):
     data = topo_dict(steps=4, max_offpolicy_steps=1)
     stages = data["stages"]
     # hybrid engine: actor and rollout in one process; reward scaled to two replicas
@@ -59,10 +59,16 @@ def test_colocated_replicated_off_policy(topo_dict):
     }
     stages["reward"]["replicas"] = 2
     stages["reward"]["roles"]["reward"]["options"]["ms_per_sample"] = 4.0
+    # a driver op (computed in the coordinator process) between scoring and training
+    data["dataflow"].insert(
+        2,
+        {"role": "driver", "op": "identity", "inputs": ["rewards"], "outputs": ["rewards_out"]},
+    )
+    data["dataflow"][3]["inputs"] = ["sample_idx", "response_ids", "rewards_out"]
     topo = load_topology(data)
     run_id = uuid.uuid4().hex[:12]
     launcher = RecordingLauncher()
-    res = run_topology(topo, collect=("rewards",), run_id=run_id, launcher=launcher)
+    res = run_topology(topo, collect=("rewards_out",), run_id=run_id, launcher=launcher)
 
     assert sorted(launcher.started) == ["engine/0", "reward/0", "reward/1"]
     heads = [e for e in res.events if e.kind == "dispatch" and e.op == 0]
@@ -70,7 +76,7 @@ def test_colocated_replicated_off_policy(topo_dict):
     replicas = {e.replica for e in res.events if e.kind == "done" and e.op == 1}
     assert replicas == {0, 1}
     for s in range(4):
-        got = torch.cat(res.collected[s]["rewards"])
+        got = torch.cat(res.collected[s]["rewards_out"])
         assert torch.equal(got, torch.arange(16 * s, 16 * (s + 1)).float())
     assert [m["policy_version"] >= m["step"] - 1 for m in res.metrics] == [True] * 4
     assert not leftovers(run_id, launcher.started)
