@@ -74,6 +74,13 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 # the stage process
 
 
+def _payload(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[nbytes] uint8 of varied bytes, made fast (a random MiB tiled)."""
+    block = torch.randint(0, 256, (min(nbytes, MiB),), dtype=torch.uint8)
+    reps = -(-nbytes // block.numel())
+    return block.repeat(reps)[:nbytes].contiguous().to(device)
+
+
 def _checksum(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     out = {}
     for name, t in tensors.items():
@@ -205,8 +212,12 @@ def _baselines(src: torch.Tensor, reps: int) -> tuple[float, float]:
     dst = torch.empty_like(src)
     dst.copy_(src)
     n = src.numel() * src.element_size()
+    if sync:
+        sync()
     t0 = time.perf_counter()
     dst.copy_(src)
+    if sync:
+        sync()
     inner = max(1, min(10000, int(0.01 / max(time.perf_counter() - t0, 1e-7))))
 
     def copies() -> None:
@@ -348,7 +359,7 @@ async def _cpu_cases(s: dict[str, Any]) -> list[dict]:
         )
         for kib in s["frame_kib"]:
             n = kib * 1024
-            t = {"x": torch.randint(0, 255, (n,), dtype=torch.uint8)}
+            t = {"x": _payload(n)}
             await _verify(st.chans["frames"], t)
             lat = []
             for i in range(200 if kib <= 64 else 50):
@@ -375,7 +386,7 @@ async def _cpu_cases(s: dict[str, Any]) -> list[dict]:
         ):
             for mib in sizes:
                 n = mib * MiB
-                t = {"x": torch.randint(0, 255, (n,), dtype=torch.uint8)}
+                t = {"x": _payload(n)}
                 await _verify(st.chans[key], t)
                 sec = await _handoff(st.chans[key], t, s["reps"], "sink")
                 cases.append(
@@ -400,7 +411,7 @@ async def _cuda_ipc_cases(s: dict[str, Any]) -> list[dict]:
         ch = st.chans["ipc"]
         for mib in s["gpu_sizes_mib"]:
             n = mib * MiB
-            t = {"x": torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)}
+            t = {"x": _payload(n, dev)}
             await _verify(ch, t)
             sec = await _handoff(ch, t, s["reps"], "sink")
             cases.append(
@@ -438,7 +449,7 @@ async def _nccl_cases(s: dict[str, Any]) -> list[dict]:
         count = 8
         for mib in s["gpu_sizes_mib"]:
             n = mib * MiB
-            x = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
+            x = _payload(n, dev)
             await _verify(ch, {"x": x})
             times, raw = [], []
             for rep in range(s["reps"] // 2 + 2):

@@ -251,7 +251,9 @@ class ShmPool:
         name = self._names.next()
         fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Reserve the pages now: a full /dev/shm is an OSError here, not a SIGBUS on
+            # first touch of the mapping.
+            os.posix_fallocate(fd, 0, size)
             m = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE)
         except BaseException:
             _unlink(name)
