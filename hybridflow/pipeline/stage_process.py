@@ -38,7 +38,7 @@ import torch
 from hybridflow.config.loader import config_hash, from_dict
 from hybridflow.config.schema import Topology
 from hybridflow.errors import HybridflowError
-from hybridflow.pipeline.topology import build_plan
+from hybridflow.pipeline.topology import role_ops
 from hybridflow.stages import StageContext, create_role
 from hybridflow.stages.base import Role
 from hybridflow.transport.channel import Channel, Received
@@ -176,7 +176,6 @@ class StageProcess:
                 return 4
 
     async def _setup_roles(self) -> bool:
-        plan = build_plan(self.topo)
         device = torch.device(self.cfg.device_of(self.replica))
         for name, rc in self.cfg.roles.items():
             try:
@@ -197,7 +196,7 @@ class StageProcess:
                     "role": name,
                     "kind": rc.kind or name,
                     "replicas": self.cfg.replicas,
-                    "dataflow": plan.role_ops(name),
+                    "dataflow": role_ops(self.topo, name),
                 },
                 log=logging.getLogger(f"hybridflow.stage.{name}"),
             )

@@ -71,16 +71,7 @@ class Plan:
         return {name: cfg.replicas for name, cfg in self.topology.stages.items()}
 
     def role_ops(self, role: str) -> dict[str, dict[str, Any]]:
-        """What a role will be asked to do: op -> inputs/outputs/scope (StageContext.world)."""
-        return {
-            op.cfg.op: {
-                "inputs": list(op.cfg.inputs),
-                "outputs": list(op.cfg.outputs),
-                "scope": op.cfg.scope,
-            }
-            for op in self.ops
-            if op.cfg.role == role
-        }
+        return role_ops(self.topology, role)
 
     def edges(self) -> list[tuple[str, str, str]]:
         """(producer label, consumer label, value) for every value that crosses an op."""
@@ -90,6 +81,15 @@ class Plan:
                 p = self.producer[name]
                 out.append(("data" if p == DATA else self.ops[p].label, op.label, name))
         return out
+
+
+def role_ops(topo: Topology, role: str) -> dict[str, dict[str, Any]]:
+    """What a role will be asked to do: op -> inputs/outputs/scope (StageContext.world)."""
+    return {
+        op.op: {"inputs": list(op.inputs), "outputs": list(op.outputs), "scope": op.scope}
+        for op in topo.dataflow
+        if op.role == role
+    }
 
 
 def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:

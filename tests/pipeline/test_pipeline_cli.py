@@ -119,3 +119,35 @@ def test_sigint_to_the_launcher_exits_130_and_leaves_nothing(tmp_path):
     run_id = next(iter(kids.values())).split()[4]
     assert not leftovers(run_id, list(kids))
     assert not os.path.exists(f"/proc/{proc.pid}")
+
+
+def test_stages_die_with_a_killed_launcher(tmp_path):
+    """kill -9 of the coordinator process: no teardown code runs, yet no stage survives
+    (PR_SET_PDEATHSIG in each child)."""
+    f = tmp_path / "t.yaml"
+    f.write_text(yaml.safe_dump(small_topology(tmp_path, steps=500), sort_keys=False))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridflow", "run", str(f)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        kids = _children(proc.pid)
+        assert len(kids) == 3
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in kids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in kids if os.path.exists(f"/proc/{pid}")]
+    # What the dead coordinator never swept, the next run's launcher may: sweep it here.
+    from hybridflow.transport import shm
+
+    shm.sweep(next(iter(kids.values())).split()[4])
