@@ -70,9 +70,24 @@ def run_topology(
     all_sinks = make_sinks(topo.metrics.backends, run_dir) + list(sinks)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            result = runner.run(
-                _amain(plan, run_id, run_dir, ipc_dir, launcher, all_sinks, tuple(collect))
-            )
+            terminated: list[bool] = []
+            try:
+                result = runner.run(
+                    _amain(
+                        plan,
+                        run_id,
+                        run_dir,
+                        ipc_dir,
+                        launcher,
+                        all_sinks,
+                        tuple(collect),
+                        terminated,
+                    )
+                )
+            except asyncio.CancelledError:
+                if terminated:  # SIGTERM: reported like Ctrl-C (the CLI exits 130)
+                    raise KeyboardInterrupt("SIGTERM") from None
+                raise
     finally:
         result_exits = launcher.stop(topo.liveness.shutdown_timeout_s)
         leaked = shm.sweep(run_id)
@@ -95,6 +110,7 @@ async def _amain(
     launcher: Launcher,
     sinks: list[MetricsSink],
     collect: tuple[str, ...],
+    terminated: list[bool],
 ) -> RunResult:
     topo = plan.topology
     t = topo.transport
@@ -110,7 +126,7 @@ async def _amain(
     )
     source = create_source(topo.data, topo.seed)
     coord = Coordinator(plan, chan, launcher, source, sinks, run_id=run_id, collect=collect)
-    _cancel_on_sigterm()
+    _cancel_on_sigterm(terminated)
     try:
         launcher.start(_specs(plan, run_id, run_dir, chan.endpoint))
         return await coord.run()
@@ -167,15 +183,21 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def _cancel_on_sigterm() -> None:
+def _cancel_on_sigterm(terminated: list[bool]) -> None:
     """SIGTERM takes the same teardown path as Ctrl-C (asyncio.Runner handles SIGINT)."""
     if threading.current_thread() is not threading.main_thread():
         return
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
-    if task is not None:
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    if task is None:
+        return
+
+    def on_term() -> None:
+        terminated.append(True)
+        task.cancel()
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGTERM, on_term)
 
 
 # ---------------------------------------------------------------------------------------

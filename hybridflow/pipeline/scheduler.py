@@ -38,6 +38,7 @@ from hybridflow.pipeline.topology import DATA, Plan, PlannedOp
 
 Batch = dict[str, torch.Tensor]
 DRIVER_REPLICA = -1
+MAX_EVENTS = 2_000_000  # ~100 B each: a long run's log stays bounded (recording just stops)
 
 
 class Event(NamedTuple):
@@ -67,6 +68,7 @@ class _Task:
     step: int
     mb_id: int
     op: PlannedOp
+    replicas: tuple[int, ...]
     pending: set[int]
     outputs: Batch | None = None
 
@@ -117,6 +119,7 @@ class Scheduler:
         self.inflight = {s: [0] * n for s, n in plan.replicas.items()}
         self.step_inflight = {s: [0] * n for s, n in plan.replicas.items()}
         self.events: list[Event] = []
+        self.max_events = MAX_EVENTS
         self.collect: tuple[str, ...] = ()
         self.collected: dict[int, dict[str, list[torch.Tensor]]] = {}
         self._steps: dict[int, _Step] = {}
@@ -211,7 +214,7 @@ class Scheduler:
             ]
             self._steps[s] = st
             self._started += 1
-            self.events.append(Event(st.t_start, "start", s, -1, -1, -1, self.policy_version))
+            self._log(Event(st.t_start, "start", s, -1, -1, -1, self.policy_version))
 
     def _common_ready(self, st: _Step, op: PlannedOp) -> bool:
         prev = self._steps.get(st.step - 1)
@@ -272,13 +275,13 @@ class Scheduler:
             self.inflight[op.stage][r] += 1  # type: ignore[index]
             if op.is_step:
                 self.step_inflight[op.stage][r] += 1  # type: ignore[index]
-        self._tasks[task_id] = _Task(st.step, m, op, set(replicas) or {DRIVER_REPLICA})
+        self._tasks[task_id] = _Task(st.step, m, op, replicas, set(replicas) or {DRIVER_REPLICA})
         now = self.clock()
         st.phase_t0.setdefault(op.cfg.phase_name, now)
         if op.head:
             st.head_versions.append(self.policy_version)
         rep = replicas[0] if len(replicas) == 1 else -1
-        self.events.append(Event(now, "dispatch", st.step, m, op.index, rep, self.policy_version))
+        self._log(Event(now, "dispatch", st.step, m, op.index, rep, self.policy_version))
         return Dispatch(task_id, st.step, m, op, replicas, inputs, self.policy_version)
 
     def _inputs(self, st: _Step, op: PlannedOp, m: int) -> Batch:
@@ -337,7 +340,8 @@ class Scheduler:
             st.metric_n[k] = st.metric_n.get(k, 0) + 1
         phase = op.cfg.phase_name
         st.compute[phase] = st.compute.get(phase, 0.0) + compute_s
-        if t.outputs is None:  # the first replica to answer speaks for a step op
+        # A step op runs on every replica; the lowest one speaks for all (deterministic).
+        if replica == min(t.replicas, default=DRIVER_REPLICA):
             missing = [n for n in op.cfg.outputs if n not in outputs]
             if missing:
                 raise StageError(
@@ -351,7 +355,7 @@ class Scheduler:
                 )
             t.outputs = {n: outputs[n] for n in op.cfg.outputs}
         now = self.clock()
-        self.events.append(
+        self._log(
             Event(now, "done", t.step, t.mb_id, op.index, replica, self.policy_version, compute_s)
         )
         if t.pending:
@@ -386,7 +390,7 @@ class Scheduler:
             del self._steps[st.step]
             self._finished += 1
             self.policy_version = self._finished
-            self.events.append(Event(now, "finish", st.step, -1, -1, -1, self.policy_version))
+            self._log(Event(now, "finish", st.step, -1, -1, -1, self.policy_version))
             self._finished_out.append((st.step, metrics))
 
     def _collect(self, st: _Step) -> dict[str, list[torch.Tensor]]:
@@ -397,6 +401,10 @@ class Scheduler:
             else:
                 out[name] = [v[name] for v in st.mb_values if name in v]
         return out
+
+    def _log(self, event: Event) -> None:
+        if len(self.events) < self.max_events:
+            self.events.append(event)
 
     def pop_finished(self) -> list[tuple[int, dict[str, float]]]:
         out, self._finished_out = self._finished_out, []

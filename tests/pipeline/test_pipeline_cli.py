@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 from conftest import leftovers, small_topology
 
@@ -84,7 +85,8 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
-def test_sigint_to_the_launcher_exits_130_and_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupting_the_launcher_exits_130_and_leaves_nothing(tmp_path, sig):
     data = small_topology(tmp_path, steps=500)
     f = tmp_path / "t.yaml"
     f.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -108,7 +110,7 @@ def test_sigint_to_the_launcher_exits_130_and_leaves_nothing(tmp_path):
             "reward/0",
             "rollout/0",
         ]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -65,6 +65,7 @@ def test_colocated_replicated_off_policy_with_a_driver_op(topo_dict):
         {"role": "driver", "op": "identity", "inputs": ["rewards"], "outputs": ["rewards_out"]},
     )
     data["dataflow"][3]["inputs"] = ["sample_idx", "response_ids", "rewards_out"]
+    data["transport"] = {"protocol": "tcp"}  # loopback TCP instead of ipc
     topo = load_topology(data)
     run_id = uuid.uuid4().hex[:12]
     launcher = RecordingLauncher()
