@@ -1,1 +1,39 @@
-"""hybridflow.pipeline"""
+"""The pipeline runtime: stage processes, coordinator, step barriers, topology from config.
+
+    config (Topology) --build_plan--> Plan --run_topology--> LocalLauncher (one process
+    per stage replica) + Coordinator (asyncio: Scheduler rules, liveness, metrics sinks)
+
+Public entry points (imported lazily: `python -m hybridflow.pipeline.launcher`, which every
+stage process runs, must not import the whole runtime first):
+  run_topology, RunResult                        runner.py / coordinator.py
+  build_plan, Plan                               topology.py
+  Launcher, LocalLauncher, ProcessSpec           launcher.py
+  register_source, register_driver_op, register_sink   extension registries
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "run_topology": "hybridflow.pipeline.runner",
+    "RunResult": "hybridflow.pipeline.coordinator",
+    "build_plan": "hybridflow.pipeline.topology",
+    "Plan": "hybridflow.pipeline.topology",
+    "Launcher": "hybridflow.pipeline.launcher",
+    "LocalLauncher": "hybridflow.pipeline.launcher",
+    "ProcessSpec": "hybridflow.pipeline.launcher",
+    "register_source": "hybridflow.pipeline.data_source",
+    "register_driver_op": "hybridflow.pipeline.driver",
+    "register_sink": "hybridflow.pipeline.metrics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:  # PEP 562
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hybridflow.pipeline' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
