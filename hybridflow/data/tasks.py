@@ -6,15 +6,15 @@ long before a tiny model is perfect), and generates SFT examples.
 
 Tasks (prompt -> ideal response):
   last_digit   "last:40719="   -> "9"     copy the prompt's last digit
-      0.3 if the response starts with a digit, +0.5 if it is the right digit,
-      +0.2 if the response is exactly that digit (it stopped).
+      0.3 if the response starts with a digit, +0.2 if it is exactly one digit (it
+      stopped), +0.5 if that digit is the right one.
   copy         "copy:472="     -> "472"   copy 2-4 digits
       0.8 * (share of answer positions matched, whitespace ignored) + 0.2 if exact.
   parity       "parity:1011="  -> "odd"   odd/even number of 1s
       1.0 exact; 0.7 right word + trailing text; 0.2 wrong word ("odd"/"even" format).
 
 A random-init tiny model scores ~0.0-0.05 on each; `last_digit` climbs fastest (emitting
-a digit then stopping is worth 0.37 before any copying is learned).
+a digit then stopping is worth 0.55 on average before any copying is learned).
 
 Reward functions have the documented batched signature, importable by name:
     fn(prompts: list[str], responses: list[str], prompt_ids: list[list[int]],
@@ -115,10 +115,10 @@ def _score_last_digit(response: str, answer: str) -> float:
     if not s or not s[0].isdigit():
         return 0.0
     r = 0.3
+    if len(s) == 1:
+        r += 0.2
     if s[0] == answer:
         r += 0.5
-        if s == answer:
-            r += 0.2
     return r
 
 
@@ -133,7 +133,8 @@ def _sample_copy(rng: random.Random) -> tuple[str, str]:
 def _score_copy(response: str, answer: str) -> float:
     s = "".join(response.split())
     matched = sum(1 for a, b in zip(s, answer, strict=False) if a == b)
-    return 0.8 * matched / len(answer) + (0.2 if s == answer else 0.0)
+    # Integers until the last division: an exact copy scores exactly 1.0.
+    return (8 * matched / len(answer) + (2 if s == answer else 0)) / 10
 
 
 # -- parity --------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -103,13 +104,21 @@ def load_tokenizer(spec: str | None, model: str | None = None, path: str = "toke
             )
     else:
         return builtin_tokenizer()
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     _quiet_transformers()
+    # transformers 5 AutoTokenizer picks the tokenizer class from config.json's model_type
+    # when tokenizer_config.json names only the generic class, and the Qwen2 class then
+    # replaces the saved pre-tokenizer with its own: a directory holding the built-in
+    # tokenizer beside a Qwen2 model would load with different token ids. A generic
+    # tokenizer.json is therefore loaded as exactly what it says.
+    cls = (
+        PreTrainedTokenizerFast
+        if _tokenizer_class(directory) in _GENERIC_TOKENIZERS
+        else AutoTokenizer
+    )
     try:
-        tok = AutoTokenizer.from_pretrained(
-            str(directory), local_files_only=True, trust_remote_code=False
-        )
+        tok = cls.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ConfigError(path, f"cannot load a tokenizer from {str(directory)!r}: {exc}") from exc
     if tok.pad_token is None:
@@ -118,6 +127,17 @@ def load_tokenizer(spec: str | None, model: str | None = None, path: str = "toke
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(directory: Path) -> str | None:
+    try:
+        cfg = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
 
 
 def load_model(

@@ -254,7 +254,7 @@ class Actor:
         logprobs, _ = response_logprobs(self.model, mb, self.device)
         count = denominator(mask, agg)
         loss = aggregate(-logprobs, mask, agg, denom=1.0)
-        return loss, count, {"sft_loss": float(loss) / max(count, 1)}
+        return loss, count, {"sft_loss": float(loss.detach()) / max(count, 1)}
 
     # -- weights to the rollout engine ---------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -177,9 +177,12 @@ def chunked_no_grad(fn: Any, batch: Batch, size: int) -> torch.Tensor:
 
 
 def to_cpu(obj: Any) -> Any:
-    """A copy of nested dicts/lists/tuples with every tensor moved to CPU (checkpoints)."""
+    """A copy of nested dicts/lists/tuples with every tensor copied to CPU (checkpoints).
+
+    Always a copy, also for CPU tensors: a state that aliased live optimizer buffers
+    would change under the caller's feet at the next step."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -247,6 +247,6 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(to_cpu(state["optimizer"]))  # never alias the caller's
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])

@@ -1,0 +1,213 @@
+"""HFRollout against its contract: shapes, EOS, n samples, seeds, log-probs, weight loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stage_helpers import PROMPTS, TOK, make_role, prompt_batch, sequences
+
+from hybridflow.data import collate_sft
+from hybridflow.errors import BatchError, ConfigError
+from hybridflow.stages.actor import Actor
+from hybridflow.stages.rollout_hf import HFRollout
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    return make_role(HFRollout, "rollout", {"model": "tiny", "n": 3, "max_new_tokens": 5})
+
+
+def _check_layout(out, n_prompts, n, eos_ids):
+    rows = n_prompts * n
+    r = out["response_ids"].shape[1]
+    assert out["prompt_ids"].shape[0] == rows and out["response_mask"].shape == (rows, r)
+    assert (
+        out["rollout_logprobs"].shape == (rows, r)
+        and out["rollout_logprobs"].dtype == torch.float32
+    )
+    assert out["group_index"].tolist() == [i for i in range(n_prompts) for _ in range(n)]
+    mask = out["response_mask"]
+    lengths = mask.sum(-1)
+    for row in range(rows):
+        k = int(lengths[row])
+        assert mask[row].tolist() == [1] * k + [0] * (r - k)  # a prefix of ones
+        assert bool((out["response_ids"][row, k:] == TOK.pad_token_id).all())
+        assert bool((out["rollout_logprobs"][row, k:] == 0).all())
+        assert bool((out["rollout_logprobs"][row, :k] < 0).all())
+        ended_early = k < r
+        assert not ended_early or int(out["response_ids"][row, k - 1]) in eos_ids
+
+
+def test_generate_layout_and_n_samples(rollout):
+    batch = prompt_batch()
+    out, metrics = rollout.handle("generate", batch, {"step": 0, "mb_id": 0})
+    _check_layout(out, 3, 3, rollout.eos_ids)
+    assert torch.equal(out["prompt_ids"][3:6], batch["prompt_ids"][1:2].expand(3, -1))
+    assert metrics["rollout/tokens"] == float(out["response_mask"].sum())
+    # Per-call overrides: n and max_new_tokens.
+    out, _ = rollout.handle("generate", batch, {"n": 2, "max_new_tokens": 2})
+    _check_layout(out, 3, 2, rollout.eos_ids)
+    assert out["response_ids"].shape[1] <= 2
+
+
+def test_stops_on_eos():
+    free = make_role(
+        HFRollout,
+        "r",
+        {"model": "tiny", "temperature": 0.0, "max_new_tokens": 6, "stop_on_eos": False},
+    )
+    full, _ = free.handle("generate", prompt_batch(), {})
+    stop_token = int(full["response_ids"][0, 1])  # row 0's second greedy token
+    stopping = make_role(
+        HFRollout,
+        "r",
+        {"model": "tiny", "temperature": 0.0, "max_new_tokens": 6, "eos_token_id": stop_token},
+    )
+    out, _ = stopping.handle("generate", prompt_batch(), {})
+    _check_layout(out, 3, 1, [stop_token])
+    for row in range(3):
+        seq = full["response_ids"][row].tolist()
+        k = seq.index(stop_token) + 1 if stop_token in seq else 6
+        assert int(out["response_mask"][row].sum()) == k
+        assert out["response_ids"][row, :k].tolist() == seq[:k]
+    assert int(out["response_mask"][0].sum()) <= 2
+
+
+def test_sampling_is_seeded_per_step_and_micro_batch(rollout):
+    batch = prompt_batch()
+    a, _ = rollout.handle("generate", batch, {"step": 4, "mb_id": 1})
+    b, _ = rollout.handle("generate", batch, {"step": 4, "mb_id": 1})
+    c, _ = rollout.handle("generate", batch, {"step": 4, "mb_id": 2})
+    other = make_role(
+        HFRollout, "rollout", {"model": "tiny", "n": 3, "max_new_tokens": 5}, replica=1
+    )
+    d, _ = other.handle("generate", batch, {"step": 4, "mb_id": 1})
+    assert torch.equal(a["response_ids"], b["response_ids"])
+    assert torch.equal(a["response_ids"], d["response_ids"])  # replica-independent
+    assert not torch.equal(a["response_ids"], c["response_ids"])
+    # The n samples of one prompt differ from each other.
+    assert len({tuple(r) for r in a["response_ids"][:3].tolist()}) > 1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_logprobs_match_the_actors_recomputation(temperature):
+    rollout = make_role(
+        HFRollout, "r", {"model": "tiny", "n": 4, "max_new_tokens": 6, "temperature": temperature}
+    )
+    actor = make_role(Actor, "a", {"model": "tiny", "temperature": temperature})
+    out, _ = rollout.handle("generate", prompt_batch(), {"step": 0, "mb_id": 0})
+    recomputed, _ = actor.handle("get_logprob", sequences(out), {})
+    mask = out["response_mask"].bool()
+    diff = (recomputed["old_logprobs"] - out["rollout_logprobs"])[mask].abs().max()
+    assert float(diff) < 1e-4
+
+
+def test_truncated_sampling_reports_the_truncated_distribution():
+    actor = make_role(Actor, "a", {"model": "tiny"})
+    greedy = make_role(HFRollout, "r", {"model": "tiny", "temperature": 0.0, "max_new_tokens": 4})
+    top1 = make_role(HFRollout, "r", {"model": "tiny", "top_k": 1, "n": 2, "max_new_tokens": 4})
+    g, _ = greedy.handle("generate", prompt_batch(), {})
+    t, _ = top1.handle("generate", prompt_batch(), {})
+    assert torch.equal(t["response_ids"][::2], g["response_ids"])  # top-1 sampling is greedy
+    assert bool((t["rollout_logprobs"] == 0).all())  # from a point mass
+    # Greedy reports log-probs at temperature 1, like the vllm backend.
+    lp, _ = actor.handle("get_logprob", sequences(g), {})
+    assert float((lp["old_logprobs"] - g["rollout_logprobs"]).abs().max()) < 1e-4
+    nucleus = make_role(
+        HFRollout, "r", {"model": "tiny", "top_p": 0.3, "n": 4, "max_new_tokens": 4}
+    )
+    out, _ = nucleus.handle("generate", prompt_batch(), {})
+    lp, _ = actor.handle("get_logprob", sequences(out), {})
+    mask = out["response_mask"].bool()
+    # Renormalised over the nucleus: never below the untruncated log-prob.
+    assert bool((out["rollout_logprobs"][mask] >= lp["old_logprobs"][mask] - 1e-5).all())
+
+
+def test_bad_inputs_are_batch_errors(rollout):
+    batch = prompt_batch()
+    right = {"prompt_ids": batch["prompt_ids"].flip(1), "prompt_mask": batch["prompt_mask"].flip(1)}
+    with pytest.raises(BatchError, match="left-padded"):
+        rollout.handle("generate", right, {})
+    with pytest.raises(BatchError, match="lacks"):
+        rollout.handle("generate", {"prompt_ids": batch["prompt_ids"]}, {})
+    with pytest.raises(BatchError, match="top_p"):
+        rollout.handle("generate", batch, {"top_p": 1.5})
+    with pytest.raises(BatchError, match="outside the vocabulary"):
+        rollout.handle("generate", {**batch, "prompt_ids": batch["prompt_ids"] + 1000}, {})
+    with pytest.raises(BatchError, match="unknown op"):
+        rollout.handle("train", batch, {})
+    with pytest.raises(ConfigError, match=r"stages\.r\.options\.n"):
+        make_role(HFRollout, "r", {"model": "tiny", "temperature": 0.0, "n": 2})
+    with pytest.raises(ConfigError, match=r"stages\.r\.options\.max_new_token"):
+        make_role(HFRollout, "r", {"model": "tiny", "max_new_token": 2})
+
+
+def _hf_greedy(model, batch, max_new_tokens):
+    out = model.generate(
+        input_ids=batch["prompt_ids"],
+        attention_mask=batch["prompt_mask"],
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=TOK.eos_token_id,
+        pad_token_id=TOK.pad_token_id,
+    )
+    return out[:, batch["prompt_ids"].shape[1] :]
+
+
+def test_load_weights_makes_rollout_generate_what_the_actor_generates():
+    opts = {"model": "tiny", "temperature": 0.0, "max_new_tokens": 6}
+    rollout = make_role(HFRollout, "rollout", {**opts, "init_seed": 1})
+    actor = make_role(Actor, "actor", {"model": "tiny", "lr": 1e-2}, colocated={"rollout": rollout})
+    # A random tied-embedding model greedily repeats the prompt's last token whatever its
+    # seed; a few SFT steps make the actor's greedy output its own.
+    sft = collate_sft([{"prompt": p, "response": "odd 1"} for p in PROMPTS], TOK)
+    for _ in range(3):
+        actor.handle("sft_update", sft, {})
+        actor.handle("optimizer_step", {}, {})
+    batch = prompt_batch()
+    expected = _hf_greedy(actor.model, batch, 6)
+    before, _ = rollout.handle("generate", batch, {})
+    assert not torch.equal(before["response_ids"], expected)
+    _, metrics = actor.handle("reshard", {}, {})  # colocated, in process
+    assert metrics["reshard/tensors"] > 0 and rollout.policy_version == 3
+    after, _ = rollout.handle("generate", batch, {})
+    assert torch.equal(after["response_ids"], expected)
+
+    # Disaggregated: buckets as batches of named tensors, the last one flagged.
+    remote = make_role(HFRollout, "rollout", {**opts, "init_seed": 3})
+    buckets = list(actor.weight_buckets(bucket_bytes=60_000))
+    assert len(buckets) > 2
+    for i, bucket in enumerate(buckets):
+        remote.handle(
+            "load_weights",
+            {k: v.clone() for k, v in bucket.items()},
+            {"last": i == len(buckets) - 1, "version": 7},
+        )
+    assert remote.policy_version == 7
+    out, _ = remote.handle("generate", batch, {})
+    assert torch.equal(out["response_ids"], expected)
+    exported, m = actor.handle("export_weights", {}, {"bucket": 0})
+    assert m["weights/num_buckets"] == 1.0 and set(exported) == {
+        n for n, _ in actor.named_weights()
+    }
+
+
+def test_incomplete_or_bad_weight_updates_block_generation():
+    rollout = make_role(HFRollout, "rollout", {"model": "tiny", "max_new_tokens": 2})
+    actor = make_role(Actor, "actor", {"model": "tiny"})
+    first = next(actor.weight_buckets(bucket_bytes=60_000))
+    with pytest.raises(BatchError, match="incomplete update"):
+        rollout.handle("load_weights", first, {"last": True})
+    with pytest.raises(BatchError, match="failed or was incomplete"):
+        rollout.handle("generate", prompt_batch(), {})
+    rollout.handle("load_weights", first, {"last": False})
+    with pytest.raises(BatchError, match="in progress"):
+        rollout.handle("generate", prompt_batch(), {})
+    with pytest.raises(BatchError, match="unknown parameter"):
+        rollout.handle("load_weights", {"nope.weight": torch.zeros(1)}, {"last": True})
+    name, t = next(actor.named_weights())
+    with pytest.raises(BatchError, match="expects"):
+        rollout.handle("load_weights", {name: t[:1]}, {"last": True})
+    rollout.update_weights(actor.named_weights(), version=1)  # a complete update recovers
+    out, _ = rollout.handle("generate", prompt_batch(), {})
+    assert out["response_ids"].shape[0] == 3
