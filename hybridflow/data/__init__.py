@@ -10,7 +10,13 @@ from hybridflow.data.batching import (
     pad_right,
     unpad,
 )
-from hybridflow.data.prompts import DataOptions, PromptDataset, PromptItem, PromptStream
+from hybridflow.data.prompts import (
+    DataOptions,
+    PromptDataset,
+    PromptItem,
+    PromptStream,
+    epoch_order,
+)
 from hybridflow.data.sources import load_records
 from hybridflow.data.tasks import TASKS, Task, get_task
 
@@ -25,6 +31,7 @@ __all__ = [
     "collate_sft",
     "decode_metadata",
     "encode_metadata",
+    "epoch_order",
     "get_task",
     "load_records",
     "pad_left",

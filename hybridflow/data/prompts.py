@@ -133,6 +133,15 @@ def _make_item(
     return PromptItem(text=text, prompt_ids=list(ids), metadata=meta)
 
 
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The dataset rows of `epoch` in visiting order: a permutation fixed by (seed, epoch)."""
+    order = list(range(n))
+    if shuffle:
+        # A str seed is hashed with SHA-512 by `random`: the same order in every process.
+        random.Random(f"hybridflow/prompts/{seed}/{epoch}").shuffle(order)
+    return order
+
+
 class PromptStream:
     """Endless batches of prompts: a seeded permutation per epoch, resumable."""
 
@@ -142,10 +151,7 @@ class PromptStream:
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(len(self.dataset)))
-        if self.shuffle:
-            random.Random(f"hybridflow/prompts/{self.seed}/{epoch}").shuffle(order)
-        return order
+        return epoch_order(len(self.dataset), self.seed, epoch, self.shuffle)
 
     def next_batch(self, n: int) -> list[PromptItem]:
         """The next `n` prompts, crossing into the next epoch (reshuffled) as needed."""

@@ -146,3 +146,29 @@ def test_collate_and_metadata_round_trip(tok):
         tok.eos_token_id
     ]
     assert sft["response_mask"].tolist() == [[1, 1, 1]]
+
+
+def test_prompt_source_for_the_runtime(tmp_path):
+    from hybridflow.data.source import PromptSource
+
+    fields = ("prompt_ids", "prompt_mask", "metadata_json", "sample_idx")
+    opts = {"source": "task:last_digit", "task_size": 5, "tokenizer": "builtin"}
+    src = PromptSource(fields, opts, seed=3)
+    again = PromptSource(fields, opts, seed=3)
+    b1 = src.batch(step=1, size=4)  # samples 4..7: crosses into the second epoch
+    assert set(b1) == set(fields) and b1["prompt_ids"].shape[0] == 4
+    assert all(torch.equal(b1[k], again.batch(1, 4)[k]) for k in fields)
+    assert b1["sample_idx"].tolist() == [4, 5, 6, 7]
+    rows = [m["index"] for m in decode_metadata(src.batch(0, 5)["metadata_json"])]
+    assert sorted(rows) == list(range(5))  # one epoch visits every row once
+    meta = decode_metadata(b1["metadata_json"])
+    assert all(m["task"] == "last_digit" and "answer" in m for m in meta)
+    assert not torch.equal(
+        b1["prompt_ids"], PromptSource(fields, opts, seed=4).batch(1, 4)["prompt_ids"]
+    )
+    with pytest.raises(ConfigError, match=r"data\.fields\[0\]"):
+        PromptSource(("rewards",), opts, seed=0)
+    with pytest.raises(ConfigError, match=r"data\.options\.tokenizer"):
+        PromptSource(fields, {"source": "task:copy"}, seed=0)
+    with pytest.raises(ConfigError, match=r"data\.options\.sauce"):
+        PromptSource(fields, {**opts, "sauce": 1}, seed=0)
