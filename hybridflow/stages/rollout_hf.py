@@ -14,6 +14,8 @@ Same contract as the `vllm` backend (rollout_vllm.py), so the two are interchang
   load_weights  batch = one bucket {parameter name: tensor}; params {"last": bool = True,
                 "version": int}. After the last bucket the update is checked for
                 completeness (every parameter written once or more).
+  sleep/wake_up no-ops here (metrics rollout/sleep_skipped, rollout/wake_skipped = 1), so
+                presets written for the vllm backend run unchanged.
 
 In-process hand-off from a colocated actor: `update_weights(iterable of (name, tensor), version)`.
 
@@ -165,7 +167,13 @@ class HFRollout:
             return {}, self.load_bucket(
                 batch, last=bool(params.get("last", True)), version=params.get("version")
             )
-        raise BatchError(f"hf rollout: unknown op {op!r}; known: generate, load_weights")
+        if op in ("sleep", "wake_up"):
+            # The vllm backend frees/restores its KV cache around training; this one
+            # keeps no cache between calls, so a colocated preset may call these on either.
+            return {}, {f"rollout/{op.replace('wake_up', 'wake')}_skipped": 1.0}
+        raise BatchError(
+            f"hf rollout: unknown op {op!r}; known: generate, load_weights, sleep, wake_up"
+        )
 
     def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         opts = self._call_options(params)
