@@ -18,7 +18,8 @@ Which loop waits for what, and who unblocks it:
 
     liveness loop  every tick: launcher.poll() (a process exited -> StageDeadError) and
                    heartbeat ages (> liveness.heartbeat_timeout_s -> StageDeadError);
-                   before all stages are ready, liveness.startup_timeout_s bounds setup.
+                   before all stages are ready, liveness.startup_timeout_s bounds setup
+                   (rules and messages: pipeline/peers.py).
 
     run()          waits for `done` (result or error); teardown: cancel loops, gather.
 
@@ -43,15 +44,15 @@ from hybridflow.errors import (
     HybridflowError,
     PeerDeadError,
     PipelineError,
-    StageDeadError,
     StageError,
 )
 from hybridflow.pipeline.data_source import DataSource
 from hybridflow.pipeline.driver import resolve_driver_op
 from hybridflow.pipeline.launcher import Launcher
 from hybridflow.pipeline.metrics import MetricsSink
+from hybridflow.pipeline.peers import StagePeer, check_liveness
 from hybridflow.pipeline.scheduler import DRIVER_REPLICA, Dispatch, Event, Scheduler
-from hybridflow.pipeline.topology import Plan, ProcessInfo
+from hybridflow.pipeline.topology import Plan
 from hybridflow.transport.channel import Channel, Received
 from hybridflow.transport.protocol import Failure, Heartbeat, Hello, Result, Shutdown, Task, Welcome
 
@@ -69,39 +70,6 @@ class RunResult:
     coordinator_cpu_s: float  # this process's CPU time over wall_s
     tasks: int  # tasks completed (a step op on N replicas counts N)
     exits: list[Any] = field(default_factory=list)  # launcher ProcessExit list
-
-
-@dataclass
-class _Peer:
-    info: ProcessInfo
-    pid: int = 0
-    connected: bool = False
-    ready: bool = False
-    last_seen: float = 0.0
-    # For error messages: task_id -> (op label, step, mb_id) of tasks sent, not answered
-    # (in send order: the first is the one it was working on), and the last one sent.
-    inflight: dict[int, tuple[str, int, int]] = field(default_factory=dict)
-    last_given: tuple[str, int, int] | None = None
-
-    def doing(self) -> str:
-        """What this stage was doing, for an error message."""
-        if self.inflight:
-            tasks = [_task_text(t) for t in self.inflight.values()]
-            queued = f" (queued: {', '.join(tasks[1:])})" if len(tasks) > 1 else ""
-            return f"while running {tasks[0]}{queued}"
-        if self.last_given:
-            return f"while idle; its last task was {_task_text(self.last_given)}"
-        return "before it was given any task"
-
-    def where(self) -> dict[str, Any]:
-        cur = next(iter(self.inflight.values()), self.last_given)
-        step, mb = (cur[1], cur[2]) if cur else (None, None)
-        return {"stage": self.info.stage, "replica": self.info.replica, "step": step, "mb_id": mb}
-
-
-def _task_text(t: tuple[str, int, int]) -> str:
-    label, step, mb = t
-    return f"{label} step {step} " + ("(step op)" if mb < 0 else f"micro-batch {mb}")
 
 
 class Coordinator:
@@ -125,7 +93,7 @@ class Coordinator:
         self.run_id = run_id
         self.sched = Scheduler(plan)
         self.sched.collect = collect
-        self.peers = {p.name.encode(): _Peer(p) for p in plan.processes}
+        self.peers = {p.name.encode(): StagePeer(p) for p in plan.processes}
         self.metrics: list[dict[str, float]] = []
         self.tasks_done = 0
         self._drivers = {
@@ -147,8 +115,8 @@ class Coordinator:
         t_launch = time.perf_counter()
         self._t_launch_mono = loop.time()
         loops = [
-            asyncio.create_task(self._recv_loop(), name="coordinator.recv"),
-            asyncio.create_task(self._liveness_loop(), name="coordinator.liveness"),
+            self._task(self._recv_loop(), "coordinator.recv"),
+            self._task(self._liveness_loop(), "coordinator.liveness"),
         ]
         try:
             await asyncio.wait([self._all_ready, self._done], return_when=asyncio.FIRST_COMPLETED)
@@ -156,7 +124,7 @@ class Coordinator:
                 self._done.result()  # raises the startup error
             startup_s = time.perf_counter() - t_launch
             t0, cpu0 = time.perf_counter(), time.process_time()
-            loops.append(asyncio.create_task(self._dispatch_loop(), name="coordinator.dispatch"))
+            loops.append(self._task(self._dispatch_loop(), "coordinator.dispatch"))
             self._wake.set()
             await self._done
             wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
@@ -192,8 +160,23 @@ class Coordinator:
         if not self._done.done():
             self._done.set_exception(exc)
 
-    def _spawn(self, coro: Any, name: str) -> None:
+    def _task(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """A named task whose unexpected death ends the run (never a silent hang)."""
         task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        if not isinstance(exc, HybridflowError):
+            log.error("coordinator task %s crashed", task.get_name(), exc_info=exc)
+            exc = PipelineError(f"coordinator task {task.get_name()} crashed: {exc!r}")
+        self._fail(exc)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = self._task(coro, name)
         self._aux.add(task)
         task.add_done_callback(self._aux.discard)
 
@@ -211,14 +194,14 @@ class Coordinator:
         except HybridflowError as exc:
             self._fail(exc)
 
-    async def _on_message(self, peer: _Peer, rx: Received) -> None:
+    async def _on_message(self, peer: StagePeer, rx: Received) -> None:
         msg = rx.msg
         if isinstance(msg, Result):
             if msg.run_id != self.run_id:
                 log.warning("result of run %s dropped (this run is %s)", msg.run_id, self.run_id)
                 return
             self.tasks_done += 1
-            peer.inflight.pop(msg.task_id, None)
+            peer.answered(msg.task_id)
             compute_s = msg.info.get("compute_s", 0.0)
             self.sched.complete(
                 msg.task_id,
@@ -239,7 +222,7 @@ class Coordinator:
         elif isinstance(msg, Hello):
             await self._welcome(peer, rx.peer or b"", msg)
 
-    async def _welcome(self, peer: _Peer, ident: bytes, hello: Hello) -> None:
+    async def _welcome(self, peer: StagePeer, ident: bytes, hello: Hello) -> None:
         info = peer.info
         reason = ""
         if (hello.stage, hello.replica) != (info.stage, info.replica):
@@ -259,7 +242,7 @@ class Coordinator:
             return
         peer.pid, peer.connected = hello.pid, True
 
-    def _stage_error(self, peer: _Peer, f: Failure) -> StageError:
+    def _stage_error(self, peer: StagePeer, f: Failure) -> StageError:
         where = (
             "during setup"
             if f.op == "setup"
@@ -310,7 +293,7 @@ class Coordinator:
         for r in d.replicas:
             ident = f"{d.op.stage}/{r}".encode()
             peer = self.peers[ident]
-            peer.last_given = peer.inflight[d.task_id] = (op.label, d.step, d.mb_id)
+            peer.given(d.task_id, (op.label, d.step, d.mb_id))
             try:
                 await self.chan.send(task, d.inputs, to=ident)
             except PeerDeadError:
@@ -378,42 +361,17 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(tick)
-            for ex in self.launcher.poll():
-                ident = ex.name.encode()
-                peer = self.peers[ident]
-                self.chan.forget_peer(ident, ex.pid)  # free what we hold for it, sweep its shm
-                self._fail(
-                    StageDeadError(
-                        f"stage {peer.info.stage} replica {peer.info.replica} (pid {ex.pid}) "
-                        f"{ex.describe()} {peer.doing()}",
-                        **peer.where(),
-                    )
-                )
-                return
-            now = loop.time()
-            for ident, peer in self.peers.items():
-                if peer.connected and now - peer.last_seen > live.heartbeat_timeout_s:
-                    self.chan.forget_peer(ident, peer.pid)
-                    self._fail(
-                        StageDeadError(
-                            f"stage {peer.info.stage} replica {peer.info.replica} (pid {peer.pid}) "
-                            f"sent nothing for {now - peer.last_seen:.1f}s {peer.doing()}; "
-                            f"liveness.heartbeat_timeout_s = {live.heartbeat_timeout_s} bounds "
-                            "this wait (raise it if the stage blocks its event loop)",
-                            **peer.where(),
-                        )
-                    )
-                    return
-            if not self._all_ready.done() and now - self._t_launch_mono > live.startup_timeout_s:
-                waiting = [
-                    f"{p.info.name} ({'setting up' if p.connected else 'never connected'})"
-                    for p in self.peers.values()
-                    if not p.ready
-                ]
-                self._fail(
-                    StageDeadError(
-                        f"stages not ready within liveness.startup_timeout_s = "
-                        f"{live.startup_timeout_s}s: {', '.join(waiting)}",
-                    )
-                )
+            dead = check_liveness(
+                self.peers,
+                self.launcher.poll(),
+                loop.time(),
+                live,
+                started_at=self._t_launch_mono,
+                all_ready=self._all_ready.done(),
+            )
+            if dead is not None:
+                peer, error = dead
+                if peer is not None:  # free what the channel holds for it, sweep its shm
+                    self.chan.forget_peer(peer.ident, peer.pid or None)
+                self._fail(error)
                 return

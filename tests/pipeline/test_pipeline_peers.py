@@ -1,0 +1,68 @@
+"""Liveness rules on plain bookkeeping (no processes): which condition wins, and the exact
+messages for the cases the process tests cannot reach cheaply (startup timeout)."""
+
+from __future__ import annotations
+
+from hybridflow.config.schema import LivenessConfig
+from hybridflow.pipeline.launcher import ProcessExit
+from hybridflow.pipeline.peers import StagePeer, check_liveness
+from hybridflow.pipeline.topology import ProcessInfo
+
+LIVE = LivenessConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0, startup_timeout_s=10.0)
+
+
+def peers() -> dict[bytes, StagePeer]:
+    out = {}
+    for stage in ("rollout", "reward"):
+        p = StagePeer(ProcessInfo(stage, 0, "cpu", (stage,)), pid=100, connected=True, ready=True)
+        out[p.ident] = p
+    return out
+
+
+def test_all_well():
+    assert check_liveness(peers(), [], 1.0, LIVE, started_at=0.0, all_ready=True) is None
+
+
+def test_exit_wins_and_names_the_task():
+    ps = peers()
+    ps[b"reward/0"].given(7, ("reward.score", 3, 5))
+    ps[b"reward/0"].given(8, ("reward.score", 3, 6))
+    exits = [ProcessExit("reward/0", 100, -9)]
+    peer, err = check_liveness(ps, exits, 1.0, LIVE, started_at=0.0, all_ready=True)
+    assert peer is ps[b"reward/0"]
+    assert str(err) == (
+        "stage reward replica 0 (pid 100) was killed by SIGKILL while running reward.score "
+        "step 3 micro-batch 5 (queued: reward.score step 3 micro-batch 6)"
+    )
+    assert (err.stage, err.replica, err.step, err.mb_id) == ("reward", 0, 3, 5)
+
+
+def test_silence_names_the_setting():
+    ps = peers()
+    ps[b"rollout/0"].last_seen, ps[b"reward/0"].last_seen = 5.0, 7.0
+    ps[b"rollout/0"].given(1, ("rollout.load_weights", 2, -1))
+    ps[b"rollout/0"].answered(1)
+    _, err = check_liveness(ps, [], 7.5, LIVE, started_at=0.0, all_ready=True)
+    assert str(err) == (
+        "stage rollout replica 0 (pid 100) sent nothing for 2.5s while idle; its last task "
+        "was rollout.load_weights step 2 (step op); liveness.heartbeat_timeout_s = 2.0 bounds "
+        "this wait (raise it if the stage blocks its event loop)"
+    )
+    ps[b"rollout/0"].last_seen, ps[b"reward/0"].last_seen = 7.0, 0.0
+    _, err = check_liveness(ps, [], 7.5, LIVE, started_at=0.0, all_ready=True)
+    assert str(err).startswith(
+        "stage reward replica 0 (pid 100) sent nothing for 7.5s before it was given any task;"
+    )
+
+
+def test_startup_timeout_lists_who_is_late():
+    ps = peers()
+    ps[b"reward/0"].ready = False
+    ps[b"rollout/0"].ready = ps[b"rollout/0"].connected = False
+    for p in ps.values():
+        p.last_seen = 10.0
+    _, err = check_liveness(ps, [], 10.5, LIVE, started_at=0.0, all_ready=False)
+    assert str(err) == (
+        "stages not ready within liveness.startup_timeout_s = 10.0s: "
+        "rollout/0 (never connected), reward/0 (setting up)"
+    )
