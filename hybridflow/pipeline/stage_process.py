@@ -131,11 +131,16 @@ class StageProcess:
             tasks.append(self.heartbeat.start())
             tasks.append(asyncio.create_task(self._watch_parent(), name="stage.parent"))
             tasks.append(asyncio.create_task(self._recv_loop(), name="stage.recv"))
-            if await self._setup_roles():
+            # Setup may take minutes (model loading): a Shutdown meanwhile must not wait.
+            setup = asyncio.create_task(self._setup_roles(), name="stage.setup")
+            stop = asyncio.create_task(self._stop.wait(), name="stage.stop")
+            tasks += [setup, stop]
+            await asyncio.wait([setup, stop], return_when=asyncio.FIRST_COMPLETED)
+            if setup.done() and setup.result():
                 self.state = StageState.READY
                 self.heartbeat.beat()  # tell the coordinator at once, not one interval later
                 tasks.append(asyncio.create_task(self._work_loop(), name="stage.work"))
-            else:
+            elif setup.done():
                 self.state = StageState.FAILED
             await self._stop.wait()
             return 0 if self.parent_alive() else 4
