@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -147,6 +148,12 @@ def _honour_log_level(level: str) -> None:
 
 def _specs(plan: Plan, run_id: str, run_dir: Path, endpoint: str) -> list[ProcessSpec]:
     topo_data = to_dict(plan.topology)
+    host = plan.topology.transport.host
+    # Replicas of one stage are ranks of one group (data parallel / FSDP): give them a
+    # rendezvous address so roles never pick ports themselves.
+    init = {
+        stage: f"tcp://{host}:{_free_port(host)}" for stage, n in plan.replicas.items() if n > 1
+    }
     return [
         ProcessSpec(
             name=p.name,
@@ -159,11 +166,18 @@ def _specs(plan: Plan, run_id: str, run_dir: Path, endpoint: str) -> list[Proces
                 "run_id": run_id,
                 "run_dir": str(run_dir),
                 "parent_pid": os.getpid(),
+                "init_method": init.get(p.stage, ""),
             },
             title=f"hf-{p.stage}-{p.replica}",
         )
         for p in plan.processes
     ]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _ipc_dir(topo: Topology, run_id: str) -> str | None:

@@ -13,6 +13,14 @@ runs in ONE worker thread, so heartbeats keep flowing while a role computes and 
 no locks. A task that raises becomes a `Failure` message carrying the traceback text; the
 process keeps serving until the coordinator says Shutdown.
 
+What a role gets in `StageContext.world`: `role` (its name), `kind`, `rank` (= replica)
+and `world_size` (= replicas of this stage), `init_method` (a tcp:// rendezvous for the
+stage's replicas, "" when there is one), `run_id`, and `dataflow`: op -> {inputs,
+outputs, scope} for every op of this role. `ctx.seed` is the run seed, the same in every
+stage (actor and reference build identical initial weights from it); derive per-purpose
+streams from it. `ctx.colocated` holds every role of this process (the hybrid engine's
+in-process hand-off); they are all constructed before any `setup`, in config order.
+
 Each task's `params` are the op's configured params plus `step`, `mb_id` and
 `policy_version` from the Task. Results carry `info["compute_s"]`, the seconds spent in
 `Role.handle`, which the coordinator reports per phase.
@@ -90,6 +98,7 @@ class StageProcess:
         self.endpoint = str(payload["endpoint"])
         self.run_id = str(payload["run_id"])
         self.run_dir = Path(str(payload["run_dir"]))
+        self.init_method = str(payload.get("init_method", ""))
         self.parent_pid = int(payload.get("parent_pid", os.getppid()))
         self.config_hash = config_hash(topo)
         self.state = StageState.CONNECTING
@@ -200,7 +209,11 @@ class StageProcess:
                 world={
                     "role": name,
                     "kind": rc.kind or name,
+                    "rank": self.replica,
+                    "world_size": self.cfg.replicas,
                     "replicas": self.cfg.replicas,
+                    "init_method": self.init_method,  # "" unless replicas > 1
+                    "run_id": self.run_id,
                     "dataflow": role_ops(self.topo, name),
                 },
                 log=logging.getLogger(f"hybridflow.stage.{name}"),
