@@ -20,8 +20,11 @@ when all of these hold (checked in this order, cheapest first):
   6. capacity: a micro-batch op goes to the replica of its stage with the fewest tasks in
      flight (ties: lowest index) that has < `max_inflight`; a head op skips replicas with
      a step op in flight (so its `policy_version` stamp is exact); a step op goes to every
-     replica at once (each must have room); driver ops (stage None) always have room.
-Steps finish in order; finishing step s sets `policy_version = s + 1`.
+     replica at once (each must have room; while it waits, its stage takes no new
+     micro-batch work, so a rollout running ahead cannot starve the reshard); driver ops
+     (stage None) always have room.
+A step op's outputs come from its lowest replica. Steps finish in order; finishing step
+s (all its ops done) sets `policy_version = s + 1`.
 """
 
 from __future__ import annotations
