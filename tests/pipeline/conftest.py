@@ -78,7 +78,7 @@ def small_topology(tmp_path: Any, **run: Any) -> dict[str, Any]:
             ],
             "liveness": {
                 "heartbeat_interval_s": 0.2,
-                "heartbeat_timeout_s": 3.0,
+                "heartbeat_timeout_s": 5.0,
                 "startup_timeout_s": 60.0,
                 "shutdown_timeout_s": 2.0,
             },

@@ -63,12 +63,12 @@ def test_kill9_of_each_stage_is_a_named_error_and_leaves_nothing(topo_dict, vict
 
 def test_silent_stage_hits_the_heartbeat_timeout(topo_dict):
     data = long_run(topo_dict)
-    data["liveness"].update(heartbeat_timeout_s=1.5, shutdown_timeout_s=1.0)
+    data["liveness"].update(heartbeat_timeout_s=2.0, shutdown_timeout_s=1.0)
     err, _, pid = run_and_signal(data, "reward/0", signal.SIGSTOP)
     assert isinstance(err, StageDeadError) and err.stage == "reward"
     assert re.match(
         rf"stage reward replica 0 \(pid {pid}\) sent nothing for \d+\.\ds .*; "
-        r"liveness.heartbeat_timeout_s = 1.5 bounds this wait",
+        r"liveness.heartbeat_timeout_s = 2.0 bounds this wait",
         str(err),
     ), str(err)
 
