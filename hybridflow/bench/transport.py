@@ -16,7 +16,7 @@ measured in the same run; `baseline_alloc_copy_gb_per_s` adds the cost of fresh 
 (`src.clone()`). `seconds` is the median per message. Each size is verified once (the stage
 returns a checksum of what it received) before it is timed.
 
-Overrides (`--set`): rtt_iters, reps, sizes_mib (comma list), gpu_sizes_mib.
+Overrides (`--set`): rtt_iters, reps, sizes_mib (comma list), gpu_sizes_mib, cpu (0/1).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "frame_kib": [4, 64, 512] if quick else [4, 64, 256, 512],
         "oneshot_mib": [64] if quick else [64, 256],
         "gpu_sizes_mib": [1, 64, 1024] if quick else [1, 16, 256, 1024, 4096],
+        "cpu": 1,  # 0: only the GPU tiers
     }
     for item in getattr(args, "overrides", None) or []:
         key, sep, value = item.partition("=")
@@ -254,7 +255,7 @@ async def _handoff(ch: Channel, tensors: dict[str, torch.Tensor], reps: int, op:
     for i in range(reps + 2):  # two warm-ups: segment creation, first page touches
         t0 = time.perf_counter()
         await ch.send(_task(op, i), tensors, to=STAGE_ID)
-        await ch.recv(timeout=120, timeout_setting="bench rtt")
+        await ch.recv(timeout=60, timeout_setting="bench rtt")
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -262,7 +263,7 @@ async def _handoff(ch: Channel, tensors: dict[str, torch.Tensor], reps: int, op:
 
 async def _verify(ch: Channel, tensors: dict[str, torch.Tensor]) -> None:
     await ch.send(_task("verify"), tensors, to=STAGE_ID)
-    got = await ch.recv(timeout=120)
+    got = await ch.recv(timeout=60)
     want = _checksum(tensors)
     if not isinstance(got.msg, Result) or got.msg.metrics != want:
         raise RuntimeError(f"transport bench: stage received {got.msg}, expected checksums {want}")
@@ -502,7 +503,7 @@ def _free_port() -> int:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     s = _settings(args)
     t0 = time.perf_counter()
-    cases = aio.run(_cpu_cases(s))
+    cases = aio.run(_cpu_cases(s)) if s["cpu"] else []
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skipped = []
     if gpus >= 1:

@@ -136,7 +136,8 @@ class Channel:
             raise PeerDeadError(f"channel {name}: cannot {verb} {endpoint}: {exc}") from exc
         self._fd = self._sock.getsockopt(zmq.FD)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: list[asyncio.Future[None]] = []
+        # Tasks sleeping until the socket may be readable (POLLIN) / writable (POLLOUT).
+        self._waiters: dict[int, list[asyncio.Future[None]]] = {zmq.POLLIN: [], zmq.POLLOUT: []}
         self._flush_scheduled = False
         self._send_lock = asyncio.Lock()
         self._closed = False
@@ -248,8 +249,7 @@ class Channel:
         for i in range(1, last + 1):
             f = frames[i]
             sock.send(f, zmq.SNDMORE if i < last else 0, copy=not isinstance(f, memoryview))
-        if self._waiters:
-            self._loop.call_soon(self._wake)  # type: ignore[union-attr]
+        self._poke()
         return True
 
     async def _send_blocked(
@@ -337,6 +337,7 @@ class Channel:
             return None
         except zmq.ZMQError as exc:
             raise PeerDeadError(f"channel {self.name}: receive failed: {exc}") from exc
+        self._poke()
         frames: list[Any] = [first]
         # Identity, kind and header are small: bytes are cheapest. Tensor frames stay zmq
         # Frames (no copy until the codec copies them once into tensor memory).
@@ -381,11 +382,20 @@ class Channel:
         self._sock.getsockopt(zmq.EVENTS)  # re-arms the edge-triggered fd
         self._wake()
 
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+    def _wake(self, flag: int = zmq.POLLIN | zmq.POLLOUT) -> None:
+        for f in (zmq.POLLIN, zmq.POLLOUT):
+            if flag & f and self._waiters[f]:
+                waiters, self._waiters[f] = self._waiters[f], []
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(None)
+
+    def _poke(self) -> None:
+        """An operation of ours succeeded; it may have consumed the fd's edge while the
+        socket holds more for others (a second message, room to send): let every sleeper
+        re-check. Free when nobody sleeps, which is the common case."""
+        if self._waiters[zmq.POLLIN] or self._waiters[zmq.POLLOUT]:
+            self._wake()
 
     async def _wait(
         self, loop: asyncio.AbstractEventLoop, flag: int, deadline: float | None
@@ -395,8 +405,13 @@ class Channel:
         a watched peer dies meanwhile."""
         if self._closed:
             raise PipelineError(f"channel {self.name} is closed")
-        # Reading EVENTS re-arms the fd: only after this may we sleep on it.
-        if self._sock.getsockopt(zmq.EVENTS) & flag:
+        # Reading EVENTS re-arms the fd: only after this may we sleep on it. If it shows
+        # what the other kind of sleeper waits for, wake them: the edge is gone now.
+        events = self._sock.getsockopt(zmq.EVENTS)
+        other = flag ^ (zmq.POLLIN | zmq.POLLOUT)
+        if events & other and self._waiters[other]:
+            self._wake(other)
+        if events & flag:
             return True
         now = loop.time()
         if deadline is not None and now >= deadline:
@@ -409,7 +424,7 @@ class Channel:
                 at = now + max(0.0, peer_deadline - self.peers.clock()) + 1e-3
                 wake_at = at if wake_at is None else min(wake_at, at)
         fut = loop.create_future()
-        self._waiters.append(fut)
+        self._waiters[flag].append(fut)
         if wake_at is None:
             await fut
         else:

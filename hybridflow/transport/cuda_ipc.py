@@ -41,7 +41,7 @@ import torch
 from hybridflow.errors import ProtocolError
 from hybridflow.transport.protocol import CudaIpcRef, TensorDesc
 
-CUDA_IPC_HANDLE_BYTES = 64
+MAX_HANDLE_BYTES = 4096
 
 Peer = Hashable
 
@@ -200,10 +200,9 @@ def _check(desc: TensorDesc, ref: CudaIpcRef) -> torch.dtype:
         raise ProtocolError(
             f"tensor {desc.name!r}: {len(ref.stride)} strides for {len(desc.shape)} dims"
         )
-    if len(ref.handle) != CUDA_IPC_HANDLE_BYTES or len(ref.event_handle) not in (
-        0,
-        CUDA_IPC_HANDLE_BYTES,
-    ):
+    # torch's handle is its own format (a version/kind prefix, then cudaIpcMemHandle_t or an
+    # expandable-segment handle); torch parses it, we only bound its size.
+    if not 0 < len(ref.handle) <= MAX_HANDLE_BYTES or len(ref.event_handle) > MAX_HANDLE_BYTES:
         raise ProtocolError(f"tensor {desc.name!r}: malformed CUDA IPC handle")
     if ref.device >= torch.cuda.device_count():
         raise ProtocolError(

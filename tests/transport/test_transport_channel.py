@@ -94,6 +94,9 @@ async def test_concurrent_recv_and_send_on_one_channel(endpoint: str, run_id: st
         Channel("router", endpoint, bind=True, name="a", run_id=run_id) as a,
         Channel("dealer", endpoint, bind=False, name="b", run_id=run_id, identity=b"b") as b,
     ):
+        # A ROUTER knows a peer only once it connected: the peer speaks first.
+        await b.send(Pong(seq=0, t_ns=0))
+        assert (await a.recv(timeout=10)).peer == b"b"
 
         async def echo(n: int) -> None:
             for _ in range(n):

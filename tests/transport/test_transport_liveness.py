@@ -107,7 +107,7 @@ async def test_killed_sender_mid_transfer_is_dead_within_the_bound_and_leaks_not
     rx = Channel("router", endpoint, bind=True, name="coord", run_id=run_id, peers=table, hwm=4)
     child = spawn(peers.streaming_sender, endpoint, run_id, 2, 0.1)
     try:
-        hello = await rx.recv(timeout=60)
+        hello = await rx.recv(timeout=120)
         assert isinstance(hello.msg, Hello)
         table.add(hello.peer, stage="streamer", replica=3, pid=hello.msg.pid)
         got_tensors = 0
@@ -145,7 +145,7 @@ async def test_killed_receiver_is_dropped_and_the_sender_frees_its_segments(
     tx = Channel("router", endpoint, bind=True, name="coord", run_id=run_id, peers=table)
     child = spawn(peers.silent_receiver, endpoint, run_id, 0.1)
     try:
-        hello = await tx.recv(timeout=60)
+        hello = await tx.recv(timeout=120)
         table.add(hello.peer, label="hoarder")
         x = torch.ones(1 << 20)  # 4 MiB: pooled shm, held by the child forever
         for i in range(3):

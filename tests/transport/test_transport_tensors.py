@@ -4,6 +4,7 @@ nothing is left in /dev/shm."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import pytest
@@ -66,7 +67,7 @@ async def test_every_dtype_and_shape_round_trips_between_processes(
             "router", endpoint, bind=True, name="parent", run_id=run_id, shm_threshold=THRESHOLD
         )
         child = spawn(peers.echo, endpoint, "dealer", run_id)
-        hello = await inbox.recv(timeout=60)
+        hello = await inbox.recv(timeout=120)
         to: bytes | None = hello.peer
     else:
         out = Channel(
@@ -74,12 +75,13 @@ async def test_every_dtype_and_shape_round_trips_between_processes(
         )
         inbox = Channel("pull", endpoint + ".back", bind=True, name="in", run_id=run_id)
         child = spawn(peers.echo, endpoint, "pull", run_id)
+        await inbox.recv(timeout=120)  # hello: the child is up
         to = None
     try:
         # Several messages: tier-2 segments get reused (pooled) or made anew (one-shot).
         for i in range(3):
-            await out.send(_task(i), sent, to=to, timeout=30)
-            got = await inbox.recv(timeout=60)
+            await out.send(_task(i), sent, to=to, timeout=120)
+            got = await inbox.recv(timeout=120)
             assert isinstance(got.msg, Result) and got.msg.task_id == i
             assert set(got.tensors) == set(sent)
             bad = [k for k, t in sent.items() if not _same(t, got.tensors[k])]
@@ -90,8 +92,8 @@ async def test_every_dtype_and_shape_round_trips_between_processes(
                     t.add_(1)  # writable, no warning
             del got
             gc.collect()
-        await out.send(Shutdown(), to=to, timeout=10)
-        child.join(30)
+        await out.send(Shutdown(), to=to, timeout=60)
+        await asyncio.get_running_loop().run_in_executor(None, child.join, 60)
         assert child.exitcode == 0
     finally:
         out.close()

@@ -69,6 +69,7 @@ async def _echo(endpoint: str, kind: str, run_id: str, cuda: str, device: int) -
     else:
         inbox = Channel("pull", endpoint, bind=False, name="echo-in", run_id=run_id)
         outbox = Channel("push", endpoint + ".back", bind=False, name="echo-out", run_id=run_id)
+        await outbox.send(hello())  # "I am up": start-up time is not the test's business
     kept = []
     try:
         while True:
