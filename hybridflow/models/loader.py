@@ -15,7 +15,8 @@ Invariants:
   - nothing is ever downloaded: directories load with `local_files_only=True`, remote
     code is never trusted, and a path that does not exist is a ConfigError naming it;
   - building the same preset with the same seed gives bit-identical weights in any
-    process (actor, reference and rollout start from one policy without shipping it);
+    process and on any device (actor, reference and rollout start from one policy
+    without shipping it; presets are initialised on CPU unless `init_device: device`);
     the global RNG is left untouched (init runs inside `fork_rng`);
   - dropout is off in every model (RL log-probs must be deterministic functions of the
     weights); every model comes back in eval mode on the requested device and dtype.
@@ -47,6 +48,7 @@ class ModelOptions:
     tokenizer: str | None = None  # directory or "builtin"; default: the model's own
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     init_seed: int | None = None  # random init of presets / new heads; None: the run seed
+    init_device: Literal["cpu", "device"] = "cpu"  # where presets are initialised (see load_model)
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     model_overrides: dict[str, Any] = field(default_factory=dict)  # preset config fields
 
@@ -173,10 +175,15 @@ def load_model(
                 path=f"{path}.model",
             )
             _prepare_config(cfg, kind)
-            # Initialise directly on the target device: a 7B preset never exists on host.
-            with torch.device(device):
+            # CPU and CUDA draw different random streams from one seed: initialising on
+            # CPU gives the same weights whatever device each role runs on (a reference
+            # on CPU equals an actor on GPU). `init_device: device` skips the host copy
+            # (large presets in benchmarks) at the price of that guarantee.
+            on_device = opts.init_device == "device" or device.type == "meta"  # meta: shapes only
+            init_dev = device if on_device else torch.device("cpu")
+            with torch.device(init_dev):
                 model = cls.from_config(cfg, attn_implementation=opts.attn_implementation)
-            model = model.to(dtype)
+            model = model.to(device=device, dtype=dtype)
         else:
             if opts.model_overrides:
                 raise ConfigError(

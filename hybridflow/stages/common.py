@@ -30,6 +30,7 @@ from hybridflow.models.loader import ModelKind, ModelOptions, load_model, load_t
 from hybridflow.stages.base import Batch, StageContext
 
 SEQUENCE_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+_CHUNK = 1024  # positions per float32 chunk in no-grad log-prob / entropy
 
 
 def options_path(ctx: StageContext) -> str:
@@ -145,14 +146,19 @@ def response_logprobs(
     Both are 0 at padding."""
     logits = response_logits(model, batch, device, temperature)
     mask = batch["response_mask"].to(device)
-    logprobs = logprobs_from_logits(logits, batch["response_ids"].to(device), mask)
+    # Without grad, float32 temporaries are bounded to _CHUNK positions at a time (a
+    # [B*R, V] upcast of a 150k-token vocabulary would otherwise dwarf the model).
+    chunk = None if torch.is_grad_enabled() else _CHUNK
+    logprobs = logprobs_from_logits(
+        logits, batch["response_ids"].to(device), mask, chunk_size=chunk
+    )
     entropy = None
     if with_entropy:
         if entropy_grad:
             entropy = entropy_from_logits(logits)
         else:
             with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach())
+                entropy = entropy_from_logits(logits.detach(), chunk_size=_CHUNK)
         entropy = zero_padding(entropy, mask)
     return logprobs, entropy
 
