@@ -49,6 +49,10 @@ class ModelOptions:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     init_seed: int | None = None  # random init of presets / new heads; None: the run seed
     init_device: Literal["cpu", "device"] = "cpu"  # where presets are initialised (see load_model)
+    # Mixed precision: keep `dtype` weights (float32: the optimizer's master copy) and run
+    # every forward under bfloat16 autocast. Pure bfloat16 training (dtype: bfloat16)
+    # loses updates smaller than bf16's resolution; this does not.
+    autocast_bf16: bool = False
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     model_overrides: dict[str, Any] = field(default_factory=dict)  # preset config fields
 
@@ -212,6 +216,9 @@ def load_model(
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    if opts.autocast_bf16 and device.type != "meta":
+        # Wrapping this instance's forward covers every caller (roles, generate, ...).
+        model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
     return model.eval()
 
 

@@ -104,3 +104,17 @@ def test_missing_or_bad_paths_are_config_errors(tmp_path):
         load_model(ModelOptions(model="tiny", model_overrides={"num_layerz": 1}), tok)
     with pytest.raises(ConfigError, match="no tokenizer directory"):
         load_tokenizer(str(tmp_path / "nope"))
+
+
+def test_bf16_autocast_keeps_float32_weights():
+    tok = builtin_tokenizer()
+    ref = load_model(ModelOptions(model="tiny"), tok)
+    amp = load_model(ModelOptions(model="tiny", autocast_bf16=True), tok)
+    assert all(p.dtype == torch.float32 for p in amp.parameters())
+    ids = torch.tensor([tok("last:123=")["input_ids"]])
+    with torch.no_grad():
+        a, b = ref(ids).logits, amp(ids).logits
+    assert b.dtype == torch.bfloat16 and float((a - b.float()).abs().max()) < 0.05
+    loss = amp(ids).logits.float().logsumexp(-1).sum()
+    loss.backward()  # gradients reach the float32 weights
+    assert amp.model.embed_tokens.weight.grad is not None
