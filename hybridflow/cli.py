@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--protocol", choices=("http", "zmq"), default="http")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-batch", type=int, default=256)
+    s.add_argument("--max-batch", type=int, default=256, help="most items per request")
+    s.add_argument("--concurrency", type=int, default=8, help="requests scored at once")
 
     d = sub.add_parser("demo", help="the built-in default job (what `make demo` runs)")
     d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
