@@ -1,10 +1,11 @@
 """Tier 4: CUDA tensors GPU to GPU between processes, by NCCL send/recv.
 
     NcclGroup(rank, world_size, port, device)   one per process: a TCPStore on 127.0.0.1
-        (rank 0 hosts it), a private ProcessGroupNCCL (not torch's default group, so an
-        actor's own FSDP/DDP group is untouched), and a warm-up send/recv per rank pair so
-        no communicator is created lazily inside a transfer (that would block one side's
-        event loop while the other waits for the header).
+        (rank 0 hosts it) and private 2-rank ProcessGroupNCCL communicators, one per
+        direction of every pair (not torch's default group, so an actor's own FSDP/DDP
+        group is untouched; why per direction: see NcclGroup), created eagerly and warmed
+        up so none is created lazily inside a transfer (that would block one side's event
+        loop while the other waits for the header).
 
     sender   export(t)  -> NcclRef(src=my rank, seq) in the header; nothing posted yet
              sent(...)  -> the header left the socket: post isend of t's bytes, in seq order
@@ -46,6 +47,9 @@ SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
+    # Each of our communicators carries one direction of one pair: the serialization
+    # this warns about is exactly the order we rely on.
+    "TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING": "false",
 }
 
 
@@ -67,10 +71,21 @@ def available() -> bool:
 
 
 class NcclGroup:
-    """A private NCCL process group among the transport's GPU peers.
+    """Private NCCL communicators among the transport's GPU peers: one per direction of
+    every pair.
+
+    Why one per direction: NCCL runs a communicator's operations in posting order on one
+    stream, and a send does not finish before its receive is posted. With one
+    communicator per pair, A's pending send to B (queued ahead of A's receive from B) and
+    B's pending send to A (queued ahead of B's receive from A) wait for each other
+    forever as soon as both sides stream large tensors at once. With a communicator per
+    direction, each stream holds only sends (at the source) or only receives (at the
+    destination), in the same FIFO order on both ends: nothing can wait in a cycle.
 
     Every rank calls this with the same `world_size` and `master_port`; rank 0 hosts the
-    TCPStore. Blocks until all ranks joined (bounded by `timeout_s`).
+    TCPStore. Blocks until all communicators exist (bounded by `timeout_s`).
+    `backend="gloo"` builds the same structure over gloo on CPU tensors: how CPU-only
+    machines exercise this tier's protocol (NCCL itself needs GPUs).
     """
 
     def __init__(
@@ -79,10 +94,11 @@ class NcclGroup:
         world_size: int,
         *,
         master_port: int,
-        device: int | torch.device,
+        device: int | torch.device | str,
         master_addr: str = "127.0.0.1",
         timeout_s: float = 120.0,
         setting: str = "transport.nccl_timeout_s",
+        backend: str = "nccl",
         warmup: bool = True,
     ) -> None:
         import torch.distributed as dist
@@ -90,99 +106,96 @@ class NcclGroup:
         apply_safe_env()
         if not (0 <= rank < world_size):
             raise ValueError(f"NCCL rank {rank} outside world of {world_size}")
-        self.rank, self.world_size = rank, world_size
-        self.device = torch.device("cuda", device) if isinstance(device, int) else device
-        torch.cuda.set_device(self.device)
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"transport group backend {backend!r}: use 'nccl' or 'gloo'")
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.setting = setting
-        timeout = timedelta(seconds=timeout_s)
+        self._timeout = timedelta(seconds=timeout_s)
         try:
-            store = dist.TCPStore(
+            self._store = dist.TCPStore(
                 master_addr,
                 master_port,
                 world_size,
                 is_master=rank == 0,
-                timeout=timeout,
+                timeout=self._timeout,
                 wait_for_workers=True,
             )
         except (RuntimeError, OSError) as exc:  # DistStoreError is a RuntimeError
             raise TransportTimeout(
-                f"NCCL rank {rank}: rendezvous at {master_addr}:{master_port} failed "
+                f"{backend} rank {rank}: rendezvous at {master_addr}:{master_port} failed "
                 f"({exc}); raise `{setting}` if peers start slowly"
             ) from exc
-        self._store = store
-        prefixed = dist.PrefixStore("hybridflow-transport", store)
-        self._default = False
-        self._backend = self._private_backend(prefixed, timeout)
+        self._to: dict[int, Any] = {}  # dst rank -> communicator where we are rank 0
+        self._from: dict[int, Any] = {}  # src rank -> communicator where we are rank 1
+        # All ranks walk the pairs in one global order: each creation is a blocking
+        # collective of its two members, and a shared order cannot deadlock.
+        for a in range(world_size):
+            for b in range(a + 1, world_size):
+                if rank in (a, b):
+                    for src, dst in ((a, b), (b, a)):
+                        comm = self._pair(src, dst)
+                        if rank == src:
+                            self._to[dst] = comm
+                        else:
+                            self._from[src] = comm
         if warmup:
             self._warmup()
 
-    def _private_backend(self, store: Any, timeout: timedelta) -> Any:
+    def _pair(self, src: int, dst: int) -> Any:
+        """A 2-rank communicator for traffic src -> dst (src is its rank 0)."""
         import torch.distributed as dist
 
-        try:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            opts.is_high_priority_stream = False
-            backend = dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
-            if hasattr(backend, "_set_sequence_number_for_group"):
-                backend._set_sequence_number_for_group()
-            if hasattr(backend, "eager_connect_single_device"):
-                backend.eager_connect_single_device(self.device)
-            return backend
-        except (AttributeError, TypeError) as exc:
-            # An older/newer torch without a constructible backend: fall back to the
-            # default group (only if nobody else owns it).
-            if dist.is_initialized():
-                raise RuntimeError(
-                    f"cannot build a private NCCL group on this torch ({exc}) and the "
-                    "default process group is taken"
-                ) from exc
-            log.warning("NCCL: private group unavailable (%s); using the default group", exc)
-            dist.init_process_group(
-                "nccl", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
-            )
-            self._default = True
-            return dist.distributed_c10d._get_default_group()
+        store = dist.PrefixStore(f"hybridflow-transport/{src}->{dst}", self._store)
+        me = 0 if self.rank == src else 1
+        if self.backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self._timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            return dist.ProcessGroupGloo(store, me, 2, opts)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = self._timeout
+        opts.is_high_priority_stream = False
+        comm = dist.ProcessGroupNCCL(store, me, 2, opts)
+        if hasattr(comm, "_set_sequence_number_for_group"):
+            comm._set_sequence_number_for_group()
+        if hasattr(comm, "eager_connect_single_device"):
+            comm.eager_connect_single_device(self.device)
+        return comm
 
     def isend(self, t: torch.Tensor, dst: int) -> Any:
-        if self._default:
-            import torch.distributed as dist
-
-            return dist.isend(t, dst)
-        return self._backend.send([t], dst, 0)
+        return self._to[dst].send([t], 1, 0)
 
     def irecv(self, t: torch.Tensor, src: int) -> Any:
-        if self._default:
-            import torch.distributed as dist
-
-            return dist.irecv(t, src)
-        return self._backend.recv([t], src, 0)
+        return self._from[src].recv([t], 0, 0)
 
     def _warmup(self) -> None:
-        # One tiny transfer per pair, all ranks walking pairs in the same global order, so
-        # every (lazily created) p2p communicator exists before real traffic.
+        # One tiny transfer per communicator, in the same global order everywhere, so
+        # every lazily created piece exists before real traffic.
         one = torch.ones(1, device=self.device)
         for a in range(self.world_size):
             for b in range(a + 1, self.world_size):
-                if self.rank == a:
-                    self.isend(one, b).wait()
-                elif self.rank == b:
-                    self.irecv(one, a).wait()
-        torch.cuda.synchronize(self.device)
+                for src, dst in ((a, b), (b, a)):
+                    if self.rank == src:
+                        self.isend(one, dst).wait()
+                    elif self.rank == dst:
+                        self.irecv(one, src).wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
-        backend, self._backend = self._backend, None
-        if backend is None:
-            return
-        if self._default:
-            dist.destroy_process_group()
-        elif hasattr(backend, "shutdown"):
-            try:
-                backend.shutdown()
-            except RuntimeError as exc:  # a peer already gone: nothing to flush
-                log.debug("NCCL shutdown: %s", exc)
+        comms = [*self._to.values(), *self._from.values()]
+        self._to, self._from = {}, {}
+        for comm in comms:
+            if hasattr(comm, "shutdown"):
+                try:
+                    comm.shutdown()
+                except RuntimeError as exc:  # a peer already gone: nothing to flush
+                    log.debug("transport group shutdown: %s", exc)
 
 
 @dataclass
@@ -204,6 +217,8 @@ class NcclTier:
         self, group: NcclGroup, rank_of: int | Mapping[Peer, int] | Callable[[Peer], int | None]
     ) -> None:
         self.group = group
+        # Over gloo (CPU machines) the codec routes CPU tensors here too.
+        self.handles_cpu = group.backend == "gloo"
         self._rank_of = rank_of
         self._next_seq: dict[int, int] = {}  # per destination rank
         self._last_seen: dict[int, int] = {}  # per source rank

@@ -127,8 +127,14 @@ class TensorCodec:
         self._pool = shm.ShmPool(self.run_id, self.shm_pool_bytes)
         self._reader = shm.ShmReader()
         self._outbox: dict[Peer, _Acks] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a finalizer can run (GC) in this very thread while we hold it.
+        self._lock = threading.RLock()
         self._closed = False
+
+    @property
+    def _cuda_takes_cpu(self) -> bool:
+        # Only the NCCL tier built over gloo (to exercise it on CPU machines) says yes.
+        return bool(getattr(self.cuda, "handles_cpu", False))
 
     # -- sending ---------------------------------------------------------------------
     def encode(
@@ -146,7 +152,7 @@ class TensorCodec:
             for name, t in tensors.items():
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"tensor {name!r} is {type(t).__name__}, expected torch.Tensor")
-                if t.is_cuda and self.cuda is not None:
+                if self.cuda is not None and (t.is_cuda or self._cuda_takes_cpu):
                     desc = self.cuda.export(name, t, peer)
                     if desc is not None:
                         descs.append(desc)

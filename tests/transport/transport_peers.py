@@ -133,15 +133,17 @@ def _task(i: int, op: str = "echo") -> Task:
     )
 
 
-def nccl_echo(port: int, endpoint: str) -> None:
-    """Rank 1 on cuda:1: receive tensors by NCCL, send them back by NCCL (+1 for add_one)."""
-    aio.run(_nccl_echo(port, endpoint))
+def nccl_echo(port: int, endpoint: str, backend: str = "nccl") -> None:
+    """Rank 1 (cuda:1, or CPU over gloo): receive tensors through the NCCL tier, send them
+    back the same way (bumped for add_one)."""
+    aio.run(_nccl_echo(port, endpoint, backend))
 
 
-async def _nccl_echo(port: int, endpoint: str) -> None:
+async def _nccl_echo(port: int, endpoint: str, backend: str) -> None:
     from hybridflow.transport.nccl import NcclGroup, NcclTier
 
-    group = NcclGroup(1, 2, master_port=port, device=1)
+    device = 1 if backend == "nccl" else "cpu"
+    group = NcclGroup(1, 2, master_port=port, device=device, backend=backend)
     ch = Channel(
         "dealer", endpoint, bind=False, name="nccl-echo", identity=ECHO_ID,
         cuda=NcclTier(group, rank_of=0),
@@ -159,7 +161,8 @@ async def _nccl_echo(port: int, endpoint: str) -> None:
                 devices = {k: float(v.device.index or 0) for k, v in tensors.items()}
                 await ch.send(result_for(r.msg, **devices), tensors)
     finally:
-        torch.cuda.synchronize()
+        if backend == "nccl":
+            torch.cuda.synchronize()
         time.sleep(0.2)
         ch.close()
         group.close()
