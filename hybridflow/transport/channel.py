@@ -300,6 +300,10 @@ class Channel:
         while True:
             if self.codec.has_outbox():
                 self._flush_outbox()
+            # Between messages, never with one in hand; and queued input first: a peer
+            # whose heartbeats wait in our queue is late, not dead.
+            if self._peers_due() and not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._check_peers()
             frames = self._try_recv()
             if frames is None:
                 if not await self._wait(loop, zmq.POLLIN, deadline):
@@ -322,7 +326,6 @@ class Channel:
                 continue
             if self.peers is not None:
                 self.peers.seen(got.peer, got.msg)
-                self._check_peers()
             if isinstance(got.msg, Release):
                 self.acks_received += 1
                 self.codec.on_release(got.peer, got.msg)
@@ -435,13 +438,17 @@ class Channel:
                 timer.cancel()
         if self._closed:
             raise PipelineError(f"channel {self.name} is closed")
-        if self.peers is not None:
-            self._check_peers()
         return (
             deadline is None
             or loop.time() < deadline
             or bool(self._sock.getsockopt(zmq.EVENTS) & flag)
         )
+
+    def _peers_due(self) -> bool:
+        if self.peers is None:
+            return False
+        due = self.peers.next_deadline()
+        return due is not None and due <= self.peers.clock()
 
     def _check_peers(self) -> None:
         if self.peers is None:

@@ -179,8 +179,9 @@ class TensorCodec:
         for _, t in big:
             offsets.append(total)
             total += _round_up(t.numel() * t.element_size(), _ALIGN)
-        got = self._pool.acquire(peer, total) if self.acks and total else None
+        got = None
         try:
+            got = self._pool.acquire(peer, total) if self.acks and total else None
             if got is not None:
                 seg, lease = got
                 for off, (_, t) in zip(offsets, big, strict=True):

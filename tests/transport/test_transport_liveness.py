@@ -166,3 +166,24 @@ async def test_killed_receiver_is_dropped_and_the_sender_frees_its_segments(
     finally:
         tx.close()
     assert peers.shm_names(run_id) == []
+
+
+async def test_a_peer_whose_heartbeats_wait_in_our_queue_is_late_not_dead(
+    endpoint: str, run_id: str
+) -> None:
+    table = PeerTable(0.3)
+    with (
+        Channel("router", endpoint, bind=True, name="coord", run_id=run_id, peers=table) as rx,
+        Channel("dealer", endpoint, bind=False, name="st", run_id=run_id, identity=b"s") as tx,
+    ):
+        tx.try_send(Heartbeat(stage="st", replica=0, seq=0))
+        assert isinstance((await rx.recv(timeout=5)).msg, Heartbeat)  # connected
+        table.add(b"s", stage="st", replica=0)
+        for seq in range(1, 6):  # our loop is busy for 0.5 s > the timeout; it keeps beating
+            time.sleep(0.1)
+            assert tx.try_send(Heartbeat(stage="st", replica=0, seq=seq))
+        for seq in range(1, 6):
+            got = await rx.recv(timeout=5)
+            assert isinstance(got.msg, Heartbeat) and got.msg.seq == seq
+        with pytest.raises(StageDeadError):  # and once the queue is empty, silence counts
+            await rx.recv(timeout=5)
