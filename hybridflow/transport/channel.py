@@ -157,10 +157,13 @@ class Channel:
         Waits while the peer's queue is full (backpressure), at most `timeout` seconds.
         """
         loop = self._bind_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        frames, descs, peer = await self._encode_when_room(loop, msg, tensors, to, deadline)
-        if deadline is not None:
-            timeout = max(0.0, deadline - loop.time())
+        try:
+            frames, descs, peer = self._frames(msg, tensors, to)
+        except ShmFull:  # rare: wait for receivers to open what we already sent
+            deadline = None if timeout is None else loop.time() + timeout
+            frames, descs, peer = await self._encode_when_room(loop, msg, tensors, to, deadline)
+            if deadline is not None:
+                timeout = max(0.0, deadline - loop.time())
         sent = False
         try:
             if self.codec.has_outbox():
