@@ -2,6 +2,7 @@
 
     HybridflowError
      ├── ConfigError            bad config key or value; message names the dotted key path
+     │    └── CompileError      step logic (DataflowBuilder) rejected; names the line
      ├── AlgorithmInputError    tensors/options handed to hybridflow.algos are malformed
      ├── BatchError             a Batch/op/params handed to a role is malformed
      └── PipelineError          anything that stops a run
@@ -34,6 +35,20 @@ class ConfigError(HybridflowError, ValueError):
     def __init__(self, path: str, message: str) -> None:
         self.path = path
         super().__init__(f"{path}: {message}" if path else message)
+
+
+class CompileError(ConfigError):
+    """Step logic given to `DataflowBuilder.define_training_step` cannot be compiled.
+
+    `line` is the 1-based line of the logic text (0: the logic as a whole); the message
+    quotes the line and says why it is rejected.
+    """
+
+    def __init__(self, line: int, message: str, source: str = "") -> None:
+        self.line = line
+        where = f"logic line {line}" if line else "logic"
+        text = f"{message}\n    {line}: {source.strip()}" if source.strip() else message
+        super().__init__(where, text)
 
 
 class AlgorithmInputError(HybridflowError, ValueError):

@@ -21,6 +21,12 @@ Which loop waits for what, and who unblocks it:
                    before all stages are ready, liveness.startup_timeout_s bounds setup
                    (rules and messages: pipeline/peers.py).
 
+    checkpoint     (with a Checkpointer) after a due step finished: the scheduler holds
+                   the next step (`sched.hold`), every stage process answers a control
+                   Task `checkpoint_save` by writing its part, the io thread commits the
+                   directory (pipeline/checkpoint.py), the hold moves on -> wake. `done`
+                   waits for the last save.
+
     run()          waits for `done` (result or error); teardown: cancel loops, gather.
 
 Invariants: the event loop never computes (data sources, driver ops, sinks run in
@@ -46,6 +52,7 @@ from hybridflow.errors import (
     PipelineError,
     StageError,
 )
+from hybridflow.pipeline.checkpoint import SAVE_OP, Checkpointer
 from hybridflow.pipeline.data_source import DataSource
 from hybridflow.pipeline.driver import resolve_driver_op
 from hybridflow.pipeline.launcher import Launcher
@@ -57,6 +64,8 @@ from hybridflow.transport.channel import Channel, Received
 from hybridflow.transport.protocol import Failure, Heartbeat, Hello, Result, Shutdown, Task, Welcome
 
 log = logging.getLogger("hybridflow.coordinator")
+
+CONTROL_TASK_BASE = 1 << 40  # task ids of control tasks (checkpoints): never a scheduler id
 
 
 @dataclass
@@ -70,6 +79,7 @@ class RunResult:
     coordinator_cpu_s: float  # this process's CPU time over wall_s
     tasks: int  # tasks completed (a step op on N replicas counts N)
     exits: list[Any] = field(default_factory=list)  # launcher ProcessExit list
+    checkpoints: list[str] = field(default_factory=list)  # directories committed, in order
 
 
 class Coordinator:
@@ -83,6 +93,8 @@ class Coordinator:
         *,
         run_id: str,
         collect: tuple[str, ...] = (),
+        start_step: int = 0,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         self.plan = plan
         self.topo = plan.topology
@@ -91,8 +103,15 @@ class Coordinator:
         self.source = source
         self.sinks = sinks
         self.run_id = run_id
-        self.sched = Scheduler(plan)
+        self.sched = Scheduler(plan, start_step=start_step)
         self.sched.collect = collect
+        self.checkpointer = checkpointer
+        self.checkpoints: list[str] = []  # directories committed by this run
+        self._saving = 0  # checkpoints in progress
+        self._control: dict[int, asyncio.Future[None]] = {}
+        self._next_control = CONTROL_TASK_BASE
+        if checkpointer is not None:
+            self.sched.hold = checkpointer.next_due(start_step) + 1
         self.peers = {p.name.encode(): StagePeer(p) for p in plan.processes}
         self.metrics: list[dict[str, float]] = []
         self.tasks_done = 0
@@ -144,6 +163,7 @@ class Coordinator:
             wall_s=wall_s,
             coordinator_cpu_s=cpu_s,
             tasks=self.tasks_done,
+            checkpoints=self.checkpoints,
         )
 
     async def shutdown(self, reason: str) -> None:
@@ -199,6 +219,12 @@ class Coordinator:
         if isinstance(msg, Result):
             if msg.run_id != self.run_id:
                 log.warning("result of run %s dropped (this run is %s)", msg.run_id, self.run_id)
+                return
+            waiter = self._control.pop(msg.task_id, None)
+            if waiter is not None:  # a control task (checkpoint), not the scheduler's
+                peer.answered(msg.task_id)
+                if not waiter.done():
+                    waiter.set_result(None)
                 return
             self.tasks_done += 1
             peer.answered(msg.task_id)
@@ -271,7 +297,7 @@ class Coordinator:
                     else:
                         await self._send_task(d)
                 self._flush_finished()
-                if self.sched.done:
+                if self.sched.done and not self._saving:
                     if not self._done.done():
                         self._done.set_result(None)
                     return
@@ -353,6 +379,50 @@ class Coordinator:
             log.info("step %d done in %.3fs", step, metrics["timing/step"])
             for sink in self.sinks:
                 self._sink_writes.append(loop.run_in_executor(self._io, sink.write, step, metrics))
+            if self.checkpointer is not None and self.checkpointer.due(step):
+                self._saving += 1
+                self._spawn(self._checkpoint(step), f"coordinator.checkpoint.{step}")
+
+    # -- checkpoints -----------------------------------------------------------------
+    async def _checkpoint(self, step: int) -> None:
+        """Every stage process writes its part, then the directory is committed."""
+        ck = self.checkpointer
+        assert ck is not None
+        loop = asyncio.get_running_loop()
+        tmp = await loop.run_in_executor(self._io, ck.begin, step)
+        final = step == ck.last_step and ck.cfg.export_final
+        params = {"dir": str(tmp), "export": str(tmp / "policy") if final else ""}
+        waits = []
+        for ident, peer in self.peers.items():
+            task_id = self._next_control
+            self._next_control += 1
+            fut: asyncio.Future[None] = loop.create_future()
+            self._control[task_id] = fut
+            waits.append(fut)
+            task = Task(
+                run_id=self.run_id,
+                task_id=task_id,
+                step=step,
+                mb_id=-1,
+                policy_version=self.sched.policy_version,
+                role=peer.info.roles[0],
+                op=SAVE_OP,
+                params=params,
+            )
+            peer.given(task_id, (SAVE_OP, step, -1))
+            await self.chan.send(task, to=ident)
+        await asyncio.gather(*waits)
+        meta = ck.meta(step, self.plan.topology, self.sched.policy_version)
+        try:
+            path = await loop.run_in_executor(self._io, ck.commit, tmp, meta)
+        except OSError as exc:
+            raise PipelineError(f"checkpoint after step {step} not committed: {exc}") from exc
+        self.checkpoints.append(str(path))
+        log.info("checkpoint after step %d: %s", step, path)
+        if step < ck.last_step:
+            self.sched.hold = ck.next_due(step + 1) + 1
+        self._saving -= 1
+        self._wake.set()
 
     # -- liveness ------------------------------------------------------------------
     async def _liveness_loop(self) -> None:

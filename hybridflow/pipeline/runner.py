@@ -9,6 +9,12 @@ Ctrl-C, SIGTERM), tears down in this order:
 Invariant: when `run_topology` returns or raises, no process and no shared-memory
 segment of the run is left.
 
+Checkpoints and resume (pipeline/checkpoint.py): with a `checkpointer` the coordinator
+saves after every due step; `resume_dir` + `start_step` continue a run from a
+checkpoint (each stage process restores its roles and RNG after setup, and the
+scheduler starts at `start_step`: the data source and the samplers are deterministic in
+the step number, so the continuation equals the uninterrupted run).
+
 `cli_run` / `cli_validate` back `hybridflow run|validate CONFIG [--set k=v]`; errors
 propagate as HybridflowError (the CLI prints one line and exits 2; Ctrl-C exits 130).
 """
@@ -36,6 +42,7 @@ from typing import Any
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import Topology, load_topology
 from hybridflow.errors import ConfigError, StageError
+from hybridflow.pipeline.checkpoint import Checkpointer
 from hybridflow.pipeline.coordinator import Coordinator, RunResult
 from hybridflow.pipeline.data_source import create_source
 from hybridflow.pipeline.launcher import Launcher, LocalLauncher, ProcessSpec
@@ -60,8 +67,19 @@ def run_topology(
     run_id: str | None = None,
     sinks: Sequence[MetricsSink] = (),
     launcher: Launcher | None = None,
+    start_step: int = 0,
+    resume_dir: str | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> RunResult:
-    """Run `topo` to completion and return its metrics/events. Raises HybridflowError."""
+    """Run `topo` to completion and return its metrics/events. Raises HybridflowError.
+
+    Runs steps `start_step` .. `topo.run.steps - 1`; `resume_dir` is the checkpoint the
+    stages restore from (see the module docstring)."""
+    if not 0 <= start_step < topo.run.steps:
+        raise ConfigError(
+            "run.steps",
+            f"must be greater than the step to start at ({start_step}), got {topo.run.steps}",
+        )
     plan = build_plan(topo, check_devices=True)
     _honour_log_level(topo.log_level)
     run_id = run_id or uuid.uuid4().hex[:12]
@@ -83,6 +101,9 @@ def run_topology(
                         all_sinks,
                         tuple(collect),
                         terminated,
+                        start_step,
+                        resume_dir,
+                        checkpointer,
                     )
                 )
             except asyncio.CancelledError:
@@ -112,6 +133,9 @@ async def _amain(
     sinks: list[MetricsSink],
     collect: tuple[str, ...],
     terminated: list[bool],
+    start_step: int = 0,
+    resume_dir: str | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> RunResult:
     topo = plan.topology
     t = topo.transport
@@ -126,10 +150,20 @@ async def _amain(
         shm_threshold=t.shm_threshold,
     )
     source = create_source(topo.data, topo.seed)
-    coord = Coordinator(plan, chan, launcher, source, sinks, run_id=run_id, collect=collect)
+    coord = Coordinator(
+        plan,
+        chan,
+        launcher,
+        source,
+        sinks,
+        run_id=run_id,
+        collect=collect,
+        start_step=start_step,
+        checkpointer=checkpointer,
+    )
     _cancel_on_sigterm(terminated)
     try:
-        launcher.start(_specs(plan, run_id, run_dir, chan.endpoint))
+        launcher.start(_specs(plan, run_id, run_dir, chan.endpoint, resume_dir))
         return await coord.run()
     finally:
         await coord.shutdown("run finished")
@@ -146,7 +180,9 @@ def _honour_log_level(level: str) -> None:
         logger.setLevel(wanted)
 
 
-def _specs(plan: Plan, run_id: str, run_dir: Path, endpoint: str) -> list[ProcessSpec]:
+def _specs(
+    plan: Plan, run_id: str, run_dir: Path, endpoint: str, resume_dir: str | None = None
+) -> list[ProcessSpec]:
     topo_data = to_dict(plan.topology)
     host = plan.topology.transport.host
     # Replicas of one stage are ranks of one group (data parallel / FSDP): give them a
@@ -167,6 +203,7 @@ def _specs(plan: Plan, run_id: str, run_dir: Path, endpoint: str) -> list[Proces
                 "run_dir": str(run_dir),
                 "parent_pid": os.getpid(),
                 "init_method": init.get(p.stage, ""),
+                "resume_dir": resume_dir or "",
             },
             title=f"hf-{p.stage}-{p.replica}",
         )

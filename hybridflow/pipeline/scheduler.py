@@ -25,6 +25,10 @@ when all of these hold (checked in this order, cheapest first):
      (stage None) always have room.
 A step op's outputs come from its lowest replica. Steps finish in order; finishing step
 s (all its ops done) sets `policy_version = s + 1`.
+
+Resuming (`start_step = r`): steps r, r+1, ... run as if steps 0..r-1 had finished
+(`policy_version = r`). `hold = h` (set by the coordinator while it checkpoints) keeps
+steps >= h from starting, so a checkpoint sees every role between two steps.
 """
 
 from __future__ import annotations
@@ -103,7 +107,13 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, plan: Plan, *, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        start_step: int = 0,
+    ) -> None:
         run = plan.topology.run
         self.plan = plan
         self.ops = plan.ops
@@ -118,7 +128,8 @@ class Scheduler:
         self.sequential = run.mode == "sequential"
         self.fields = tuple(plan.topology.data.fields)
         self.clock = clock
-        self.policy_version = 0
+        self.policy_version = start_step
+        self.hold: int | None = None  # steps >= hold may not start (checkpoint in progress)
         self.inflight = {s: [0] * n for s, n in plan.replicas.items()}
         self.step_inflight = {s: [0] * n for s, n in plan.replicas.items()}
         self.events: list[Event] = []
@@ -127,9 +138,9 @@ class Scheduler:
         self.collected: dict[int, dict[str, list[torch.Tensor]]] = {}
         self._steps: dict[int, _Step] = {}
         self._data: dict[int, Batch] = {}
-        self._requested = 0  # steps [0, _requested) had their data requested
-        self._started = 0
-        self._finished = 0
+        self._requested = start_step  # steps [start, _requested) had their data requested
+        self._started = start_step
+        self._finished = start_step
         self._finished_out: list[tuple[int, dict[str, float]]] = []
         self._tasks: dict[int, _Task] = {}
         self._next_task = 0
@@ -207,6 +218,7 @@ class Scheduler:
             self._started < self.steps_total
             and self._started in self._data
             and self.policy_version >= self._started - self.k
+            and (self.hold is None or self._started < self.hold)
         ):
             s = self._started
             data = self._data.pop(s)

@@ -21,6 +21,13 @@ stage (actor and reference build identical initial weights from it); derive per-
 streams from it. `ctx.colocated` holds every role of this process (the hybrid engine's
 in-process hand-off); they are all constructed before any `setup`, in config order.
 
+Seeds: before any role exists, the process's global RNGs (torch, Python, NumPy) are
+seeded from (run seed, stage, replica), so code that draws from them is reproducible.
+Checkpoints (pipeline/checkpoint.py): the control op `checkpoint_save` is answered by
+the process itself (every role's state_dict + RNG written to the given directory); a
+payload with `resume_dir` restores roles and RNG right after setup. Log lines carry
+stage/replica and the step of the task being run.
+
 Each task's `params` are the op's configured params plus `step`, `mb_id` and
 `policy_version` from the Task. Results carry `info["compute_s"]`, the seconds spent in
 `Role.handle`, which the coordinator reports per phase.
@@ -46,6 +53,7 @@ import torch
 from hybridflow.config.loader import config_hash, from_dict
 from hybridflow.config.schema import Topology
 from hybridflow.errors import HybridflowError
+from hybridflow.pipeline import checkpoint
 from hybridflow.pipeline.topology import role_ops
 from hybridflow.stages import StageContext, create_role
 from hybridflow.stages.base import Role
@@ -64,6 +72,14 @@ from hybridflow.transport.protocol import (
 log = logging.getLogger("hybridflow.stage")
 
 
+_current_step = "-"  # step of the task in the worker thread (shown in log lines)
+
+
+def _add_step(record: logging.LogRecord) -> bool:
+    record.step = _current_step
+    return True
+
+
 class StageState(enum.Enum):
     CONNECTING = "connecting"
     SETUP = "setup"
@@ -78,9 +94,12 @@ def main(payload: dict[str, Any]) -> int:
     stage, replica = str(payload["stage"]), int(payload["replica"])
     logging.basicConfig(
         level=topo.log_level,
-        format=f"%(asctime)s %(levelname)s [{stage}/{replica}] %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s [{stage}/{replica} step %(step)s] %(name)s: %(message)s",
         force=True,
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_add_step)
+    checkpoint.seed_process(checkpoint.derive_seed(topo.seed, stage, replica))
     proc = StageProcess(topo, stage, replica, payload)
     code = asyncio.run(proc.run())
     if proc.worker_stuck:
@@ -100,6 +119,8 @@ class StageProcess:
         self.run_dir = Path(str(payload["run_dir"]))
         self.init_method = str(payload.get("init_method", ""))
         self.parent_pid = int(payload.get("parent_pid", os.getppid()))
+        self.resume_dir = str(payload.get("resume_dir") or "")
+        self.kinds = {name: rc.kind or name for name, rc in self.cfg.roles.items()}
         self.config_hash = config_hash(topo)
         self.state = StageState.CONNECTING
         self.roles: dict[str, Role] = {}
@@ -223,6 +244,19 @@ class StageProcess:
             except Exception as exc:
                 await self._fail_setup(name, exc)
                 return False
+        if self.resume_dir:
+            try:
+                await self._in_worker(
+                    checkpoint.load_stage,
+                    self.roles,
+                    self.kinds,
+                    Path(self.resume_dir),
+                    self.stage,
+                    self.replica,
+                )
+            except Exception as exc:
+                await self._fail_setup("checkpoint", exc)
+                return False
         log.info("ready: roles %s on %s", ", ".join(self.roles), device)
         return True
 
@@ -259,10 +293,26 @@ class StageProcess:
         params = dict(task.params)
         params.update(step=task.step, mb_id=task.mb_id, policy_version=task.policy_version)
         t0 = time.perf_counter()
+        global _current_step
+        _current_step = str(task.step)
         try:
-            if role is None:
+            if task.op == checkpoint.SAVE_OP:  # a control op of the process, not a role's
+                outputs, metrics = (
+                    {},
+                    await self._in_worker(
+                        checkpoint.save_stage,
+                        self.roles,
+                        self.kinds,
+                        Path(str(params["dir"])),
+                        self.stage,
+                        self.replica,
+                        str(params.get("export") or ""),
+                    ),
+                )
+            elif role is None:
                 raise KeyError(f"role {task.role!r} is not hosted here (have {list(self.roles)})")
-            outputs, metrics = await self._in_worker(role.handle, task.op, batch, params)
+            else:
+                outputs, metrics = await self._in_worker(role.handle, task.op, batch, params)
             result = Result(
                 run_id=task.run_id,
                 task_id=task.task_id,
