@@ -116,7 +116,9 @@ class Coordinator:
         self.metrics: list[dict[str, float]] = []
         self.tasks_done = 0
         self._drivers = {
-            op.index: resolve_driver_op(op.cfg.op, f"dataflow[{op.index}].op")
+            op.index: resolve_driver_op(
+                op.cfg.op, f"dataflow[{op.index}].op", topology=self.topo, index=op.index
+            )
             for op in plan.ops
             if op.stage is None
         }

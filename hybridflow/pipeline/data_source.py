@@ -36,7 +36,10 @@ class DataSource(Protocol):
 
 # name -> "module:Class"; the class is constructed as Class(fields, options, seed) and
 # validates its own options, raising ConfigError("data.options.<key>", ...).
-SOURCES: dict[str, str] = {"synthetic": "hybridflow.pipeline.data_source:SyntheticPrompts"}
+SOURCES: dict[str, str] = {
+    "synthetic": "hybridflow.pipeline.data_source:SyntheticPrompts",
+    "prompts": "hybridflow.pipeline.rl_data:GroupedPrompts",  # datasets / tasks for RL
+}
 
 
 def register_source(name: str, target: str) -> None:

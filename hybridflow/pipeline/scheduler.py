@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hybridflow.errors import PipelineError, StageError
+from hybridflow.pipeline.metrics import derive_step_metrics
 from hybridflow.pipeline.topology import DATA, Plan, PlannedOp
 
 Batch = dict[str, torch.Tensor]
@@ -400,6 +401,7 @@ class Scheduler:
             metrics["timing/step"] = now - st.t_start
             versions = st.head_versions or [self.policy_version]
             metrics["policy_version"] = float(min(versions))
+            derive_step_metrics(metrics, self.step_batch)  # reward/std, perf/*
             if self.collect:
                 self.collected[st.step] = self._collect(st)
             del self._steps[st.step]

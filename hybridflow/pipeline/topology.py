@@ -109,7 +109,7 @@ def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:
         if cfg.role == DRIVER_ROLE:
             from hybridflow.pipeline.driver import resolve_driver_op
 
-            resolve_driver_op(cfg.op, f"dataflow[{i}].op")
+            resolve_driver_op(cfg.op, f"dataflow[{i}].op", topology=topo, index=i)
         if cfg.phase_name not in phases:
             phases.append(cfg.phase_name)
         if cfg.scope == "step":

@@ -1,0 +1,254 @@
+"""Coordinator-side RL math: the `advantages` driver op (per micro-batch).
+
+    driver.advantages(rewards [B], response_mask [B, R], + what the estimator needs)
+        -> advantages [B, R]          (and returns [B, R] where the estimator defines them)
+
+Params (the op's `params:` block, checked when the run is planned):
+  estimator        grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae   (grpo)
+  norm_std, eps    GRPO: divide by the group std (false = Dr. GRPO)            (true, 1e-6)
+  gamma, lam       discount and GAE lambda                                    (1.0, 1.0)
+  whiten           GAE: whiten advantages over the micro-batch's tokens        (true)
+  kl_penalty       null | k1 | k2 | k3: subtract coef * KL(policy || reference) from the
+                   token rewards before the estimator (PPO's "KL in the reward")  (null)
+  kl_coef          the (initial) coefficient                                   (0.0)
+  kl_target        null: fixed coefficient; a number: adaptive (Ziegler et al.)
+                   toward this mean per-token KL, over `kl_horizon` samples      (null, 10000)
+  old_logprob_key  the input holding the behaviour policy's log-probs         (rollout_logprobs)
+
+Inputs by estimator: group estimators read `group_index` [B]; gae reads `values`
+[B, R]; kl_penalty reads `ref_logprobs` [B, R] and `<old_logprob_key>` [B, R].
+
+Group estimators need every sample of a prompt in the same micro-batch: with the
+`prompts` data source that is `run.micro_batch % data.options.samples_per_prompt == 0`,
+checked at plan time (ConfigError naming run.micro_batch and the sizes that work).
+
+Metrics per micro-batch (the coordinator averages micro-batches, which are equal-sized,
+so means stay exact): reward/mean, reward/max, reward/min, response_length/mean,
+prompt_length/mean (when prompt_mask is an input), adv/mean, adv/abs_mean, plus
+reward/sq_mean (turned into reward/std per step by metrics.derive_step_metrics) and,
+with a KL penalty, reward/kl (mean per-token KL), reward/kl_penalty (coef * kl) and
+actor/kl_coef.
+
+Adaptive coefficient, deterministically: coef(step s) is the controller's value after
+the updates of steps 0 .. s-1-k (k = run.max_offpolicy_steps). Those steps have fully
+finished before step s may start (the scheduler's start rule), so the value never
+depends on timing. A step's update uses the mean KL over all its samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from hybridflow.algos.kl import (
+    KL_ALIASES,
+    KL_KINDS,
+    apply_kl_penalty,
+    kl_estimate,
+    make_kl_controller,
+)
+from hybridflow.config.loader import from_dict
+from hybridflow.config.schema import Topology
+from hybridflow.errors import ConfigError, PipelineError
+
+Batch = dict[str, torch.Tensor]
+GROUP_SOURCE = "prompts"
+_WITH_RETURNS = (
+    "gae",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+)  # estimators with returns  # the data source that lays steps out in groups (rl_data.py)
+
+
+@dataclass
+class AdvantageParams:
+    estimator: str = "grpo"
+    norm_std: bool = True
+    eps: float = 1e-6
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten: bool = True
+    kl_penalty: str | None = None
+    kl_coef: float = 0.0
+    kl_target: float | None = None
+    kl_horizon: float = 10000.0
+    old_logprob_key: str = "rollout_logprobs"
+
+    def validate(self, path: str) -> None:
+        if self.estimator not in ADVANTAGE_ESTIMATORS:
+            raise ConfigError(
+                f"{path}.estimator",
+                f"unknown estimator {self.estimator!r}; one of {', '.join(ADVANTAGE_ESTIMATORS)}",
+            )
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"{path}.{key}", f"must be in [0, 1], got {getattr(self, key)}")
+        kinds = (*KL_KINDS, *KL_ALIASES)
+        if self.kl_penalty is not None and self.kl_penalty not in kinds:
+            raise ConfigError(
+                f"{path}.kl_penalty",
+                f"must be null or a KL estimator ({', '.join(kinds)}), got {self.kl_penalty!r}",
+            )
+        if self.kl_coef < 0:
+            raise ConfigError(f"{path}.kl_coef", f"must be >= 0, got {self.kl_coef}")
+        if self.kl_target is not None and self.kl_target <= 0:
+            raise ConfigError(f"{path}.kl_target", "must be > 0 (or null for a fixed coef)")
+        if self.kl_horizon <= 0:
+            raise ConfigError(f"{path}.kl_horizon", "must be > 0")
+
+
+class Advantages:
+    """The `advantages` driver op; one instance per run (see driver.py)."""
+
+    def __init__(self, topology: Topology, index: int) -> None:
+        cfg = topology.dataflow[index]
+        path = f"dataflow[{index}]"
+        self.p = from_dict(AdvantageParams, dict(cfg.params), f"{path}.params")
+        self.spec = ADVANTAGE_ESTIMATORS[self.p.estimator]
+        self._check_io(cfg.inputs, cfg.outputs, path)
+        if self.spec.needs_groups:
+            _check_groups(topology, self.p.estimator)
+        self.k = topology.run.max_offpolicy_steps
+        self.n_mb = topology.run.micro_batches
+        self.options = {
+            "gae": {"gamma": self.p.gamma, "lam": self.p.lam, "whiten": self.p.whiten},
+            "grpo": {"norm_std": self.p.norm_std, "eps": self.p.eps},
+            "reinforce_pp": {"gamma": self.p.gamma},
+            "reinforce_pp_baseline": {"gamma": self.p.gamma},
+            "rloo": {},
+        }[self.p.estimator]
+        self.kl = (
+            _KLCoefficient(self.p, self.k, self.n_mb) if self.p.kl_penalty is not None else None
+        )
+
+    def _check_io(self, inputs: tuple[str, ...], outputs: tuple[str, ...], path: str) -> None:
+        need = ["rewards", "response_mask"]
+        if self.spec.needs_groups:
+            need.append("group_index")
+        if self.spec.needs_critic:
+            need.append("values")
+        if self.p.kl_penalty is not None:
+            need += ["ref_logprobs", self.p.old_logprob_key]
+        missing = [n for n in need if n not in inputs]
+        if missing:
+            raise ConfigError(
+                f"{path}.inputs",
+                f"estimator {self.p.estimator!r}"
+                + (f" with kl_penalty {self.p.kl_penalty!r}" if self.p.kl_penalty else "")
+                + f" needs inputs {need}; missing {missing}",
+            )
+        can = {"advantages"} | ({"returns"} if self.p.estimator in _WITH_RETURNS else set())
+        extra = [n for n in outputs if n not in can]
+        if extra:
+            raise ConfigError(
+                f"{path}.outputs",
+                f"estimator {self.p.estimator!r} produces {sorted(can)}; cannot produce {extra}",
+            )
+
+    # -- the op ------------------------------------------------------------------------
+    def __call__(self, batch: Batch, params: dict[str, Any]) -> tuple[Batch, dict[str, float]]:
+        step = int(params["step"])
+        mask = batch["response_mask"]  # [B, R]
+        scores = batch["rewards"].float()  # [B]
+        if scores.dim() != 1 or scores.shape[0] != mask.shape[0]:
+            raise PipelineError(
+                f"advantages: rewards {tuple(scores.shape)} must be [B] with B = {mask.shape[0]}"
+            )
+        lengths = mask.sum(-1).float()  # [B]
+        metrics = {
+            "reward/mean": float(scores.mean()),
+            "reward/sq_mean": float((scores * scores).mean()),
+            "reward/max": float(scores.max()),
+            "reward/min": float(scores.min()),
+            "response_length/mean": float(lengths.mean()),
+        }
+        if "prompt_mask" in batch:
+            metrics["prompt_length/mean"] = float(batch["prompt_mask"].sum(-1).float().mean())
+        fields: dict[str, Any] = {
+            "mask": mask,
+            "values": batch.get("values"),
+            "group_index": batch.get("group_index"),
+        }
+        if self.kl is None:
+            fields["scores"] = scores
+        else:
+            coef = self.kl.coef(step)
+            kl = kl_estimate(
+                batch[self.p.old_logprob_key].float(),
+                batch["ref_logprobs"].float(),
+                self.p.kl_penalty or "k1",
+                mask,
+            )  # [B, R]
+            token_rewards, st = apply_kl_penalty(scores, kl, coef, mask)
+            fields["token_rewards"] = token_rewards  # [B, R]
+            mean_kl = float(st["kl"])
+            self.kl.observe(step, mean_kl, scores.shape[0])
+            metrics |= {
+                "reward/kl": mean_kl,
+                "reward/kl_penalty": coef * mean_kl,
+                "actor/kl_coef": coef,
+            }
+        res = compute_advantages(self.p.estimator, **fields, **self.options)
+        adv = res.advantages.float()  # [B, R]
+        valid = mask.bool()
+        metrics["adv/mean"] = float(adv[valid].mean()) if valid.any() else 0.0
+        metrics["adv/abs_mean"] = float(adv[valid].abs().mean()) if valid.any() else 0.0
+        out = {"advantages": adv}
+        if res.returns is not None:
+            out["returns"] = res.returns.float()  # [B, R]
+        return out, metrics
+
+
+class _KLCoefficient:
+    """Fixed or adaptive KL coefficient with the deterministic schedule of the module
+    docstring: values[j] = coefficient after the updates of steps 0 .. j-1."""
+
+    def __init__(self, p: AdvantageParams, k: int, n_mb: int) -> None:
+        kind = "fixed" if p.kl_target is None else "adaptive"
+        self.ctl = make_kl_controller(kind, p.kl_coef, target_kl=p.kl_target, horizon=p.kl_horizon)
+        self.k, self.n_mb = k, n_mb
+        self.values = [self.ctl.value]
+        self._seen: dict[int, list[float]] = {}  # step -> [kl * rows, rows, micro-batches]
+
+    def coef(self, step: int) -> float:
+        j = max(0, step - self.k)
+        if j >= len(self.values):
+            raise PipelineError(
+                f"advantages: KL coefficient for step {step} needs steps < {j} finished; "
+                f"only {len(self.values) - 1} are"
+            )
+        return self.values[j]
+
+    def observe(self, step: int, mean_kl: float, rows: int) -> None:
+        acc = self._seen.setdefault(step, [0.0, 0.0, 0.0])
+        acc[0] += mean_kl * rows
+        acc[1] += rows
+        acc[2] += 1
+        while (s := len(self.values) - 1) in self._seen and self._seen[s][2] == self.n_mb:
+            total, n, _ = self._seen.pop(s)
+            self.ctl.update(total / n, int(n))
+            self.values.append(self.ctl.value)
+
+
+def _check_groups(topo: Topology, estimator: str) -> None:
+    """Group estimators: all n samples of a prompt in one micro-batch, n >= 2."""
+    if topo.data.source != GROUP_SOURCE:
+        return  # another source provides group_index; the estimator checks groups at run time
+    n = topo.data.options.get("samples_per_prompt", 1)
+    if not isinstance(n, int) or n < 2:
+        raise ConfigError(
+            "data.options.samples_per_prompt",
+            f"estimator {estimator!r} compares the samples of a prompt: needs >= 2, got {n!r}",
+        )
+    mb = topo.run.micro_batch
+    if mb % n:
+        ok = [m for m in range(n, topo.run.step_batch + 1, n) if topo.run.step_batch % m == 0]
+        raise ConfigError(
+            "run.micro_batch",
+            f"{mb} is not a multiple of data.options.samples_per_prompt ({n}): estimator "
+            f"{estimator!r} needs all {n} samples of a prompt in one micro-batch; use one of "
+            f"{', '.join(map(str, ok[:8])) or f'a multiple of {n} dividing run.step_batch'}",
+        )
