@@ -116,3 +116,36 @@ def arith(batch: Batch, params: dict[str, Any]) -> tuple[Batch, dict[str, float]
     if result.dim() == 2 and mask is not None and mask.shape == result.shape:
         result = result * mask.to(result.dtype)
     return {output: result.float()}, {}
+
+
+class ScoreAdvantages:
+    """The `advantages` driver op (pipeline/rl_ops.py) reading its score from another
+    value than the reward role's `rewards`: what a logic line such as
+    `loss = ppo_loss(2.0 * reward_score)` compiles to (the score is an arith output).
+
+    Params: those of `advantages` plus `score` (the value holding the scores [B])."""
+
+    def __init__(self, topology: Any, index: int) -> None:
+        from dataclasses import replace
+
+        from hybridflow.errors import ConfigError
+        from hybridflow.pipeline.rl_ops import Advantages
+
+        cfg = topology.dataflow[index]
+        params = dict(cfg.params)
+        key = params.pop("score", None)
+        if not isinstance(key, str) or key not in cfg.inputs or "rewards" in cfg.inputs:
+            raise ConfigError(
+                f"dataflow[{index}].params.score",
+                "must name one of the op's inputs (the scores), and `rewards` must not be one",
+            )
+        inputs = tuple("rewards" if n == key else n for n in cfg.inputs)
+        ops = list(topology.dataflow)
+        ops[index] = replace(cfg, inputs=inputs, params=params)
+        self.key = key
+        self.inner = Advantages(replace(topology, dataflow=tuple(ops)), index)
+
+    def __call__(self, batch: Batch, params: dict[str, Any]) -> tuple[Batch, dict[str, float]]:
+        renamed = dict(batch)
+        renamed["rewards"] = renamed.pop(self.key)
+        return self.inner(renamed, params)

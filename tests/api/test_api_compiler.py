@@ -1,0 +1,216 @@
+"""The step-logic compiler: the issue's seed logic and the presets' logic compile to the
+bundled YAML presets' dataflow; everything outside the grammar is refused with its line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.config.schema import load_topology
+from hybridflow.errors import CompileError
+from hybridflow.pipeline import expr
+from hybridflow.pipeline.compiler import KINDS, compile_step
+from hybridflow.pipeline.topology import build_plan
+
+ALL = ["actor", "rollout", "reference", "critic", "reward"]
+NO_CRITIC = ["actor", "rollout", "reference", "reward"]
+
+# The issue's seed logic (with a critic declared: PPO, GAE, KL penalty in the reward).
+SEED = """
+response = actor.generate(prompt)
+reward_score = reward.score(prompt, response)
+ref_logprob = ref.get_logprob(prompt, response)
+actor_logprob = actor.get_logprob(prompt, response)
+kl_div = actor_logprob - ref_logprob
+loss = ppo_loss(reward_score, kl_div)
+actor.update(loss)
+"""
+
+GRPO = """
+response = actor.generate(prompt, n=8)
+reward_score = reward.score(prompt, response)
+ref_logprob = ref.get_logprob(prompt, response)
+actor_logprob = actor.get_logprob(prompt, response)
+kl_div = kl(actor_logprob, ref_logprob, kind="k3")
+loss = grpo_loss(reward_score, kl_div, kl_coef=0.05)
+actor.update(loss)
+"""
+
+OUTPUTS = ["loss", "kl_div", "rewards"]
+
+
+def test_seed_logic_compiles_to_the_ppo_preset():
+    preset = load_topology("ppo")
+    cs = compile_step(SEED, ["prompt"], OUTPUTS, ALL)
+    assert cs.dataflow == preset.dataflow
+    assert cs.data_fields == preset.data.fields
+    actor = preset.stages["engine"].roles["actor"].options
+    for key, value in cs.role_options["actor"].items():
+        assert actor[key] == value, key
+    assert (
+        cs.role_options["data"]["samples_per_prompt"] == preset.data.options["samples_per_prompt"]
+    )
+    assert cs.outputs == {"loss": "actor/pg_loss", "kl_div": "actor/kl", "rewards": "reward/mean"}
+
+
+def test_grpo_logic_compiles_to_the_grpo_preset():
+    preset = load_topology("grpo")
+    cs = compile_step(GRPO, ["prompt"], OUTPUTS, NO_CRITIC)
+    assert cs.dataflow == preset.dataflow
+    assert cs.data_fields == preset.data.fields
+    actor = preset.stages["engine"].roles["actor"].options
+    for key, value in cs.role_options["actor"].items():
+        assert actor[key] == value, key
+    assert (
+        cs.role_options["data"]["samples_per_prompt"] == preset.data.options["samples_per_prompt"]
+    )
+
+
+def test_order_of_independent_lines_and_explicit_forms_do_not_change_the_plan():
+    reordered = """
+    response = actor.generate(prompt)
+    actor_logprob = actor.get_logprob(response)
+    ref_logprob = ref.get_logprob(prompt, response)
+    kl_div = actor_logprob - ref_logprob
+    reward_score = reward.score(prompt, response)
+    loss = ppo_loss(reward_score, kl_div, kl_coef=0.05)
+    actor.update(loss)
+    """
+    explicit = """
+    response = actor.generate(prompt)
+    values = critic.values(prompt, response)
+    reward_score = reward.score(prompt, response)
+    ref_logprob = ref.get_logprob(prompt, response)
+    actor_logprob = actor.get_logprob(prompt, response)
+    kl_div = actor_logprob - ref_logprob
+    shaped = reward_score - 0.05 * kl_div
+    advantages = gae(shaped, values, lam=0.95)
+    loss = ppo_loss(advantages)
+    actor.update(loss)
+    vloss = value_loss(values, advantages)
+    critic.update(vloss)
+    """
+    a = compile_step(reordered, ["prompt"], ["loss"], ALL)
+    b = compile_step(explicit, ["prompt"], ["loss"], ALL)
+    assert a.dataflow == b.dataflow
+    adv = next(op for op in a.dataflow if op.op == "advantages")
+    assert adv.params["kl_coef"] == 0.05 and "kl_target" not in adv.params  # fixed coefficient
+
+
+def test_independent_calls_depend_only_on_the_response():
+    preset = load_topology("ppo")
+    plan = build_plan(preset)
+    by_label = {op.label: op for op in plan.ops}
+    gen = by_label["rollout.generate"].index
+    for label in ("reward.score", "reference.get_logprob", "critic.values"):
+        assert by_label[label].deps == (gen,), label  # start as soon as `response` exists
+    assert not by_label["reward.score"].is_step and by_label["actor.reshard"].is_step
+
+
+def test_derived_scores_and_reported_arithmetic_become_driver_ops():
+    logic = """
+    response = actor.generate(prompt)
+    reward_score = reward.score(prompt, response)
+    bonus = 2 * reward_score + 1
+    loss = ppo_loss(bonus)
+    actor.update(loss)
+    """
+    cs = compile_step(logic, ["prompt"], ["loss", "bonus"], ["actor", "rollout", "reward"])
+    ops = {op.op: op for op in cs.dataflow}
+    arith = ops["hybridflow.pipeline.expr:arith"]
+    assert arith.inputs == ("rewards",) and arith.params == {
+        "expr": "2 * rewards + 1",
+        "output": "bonus",
+    }
+    adv = ops["hybridflow.pipeline.expr:ScoreAdvantages"]
+    assert adv.inputs[0] == "bonus" and adv.params["score"] == "bonus"
+    assert adv.params["estimator"] == "reinforce_pp"  # no critic, not grpo_loss
+    assert cs.outputs["bonus"] == "" and cs.collect == ("bonus",)
+    out, _ = expr.arith({"rewards": torch.tensor([0.0, 0.5])}, dict(arith.params))
+    assert torch.equal(out["bonus"], torch.tensor([1.0, 2.0]))
+
+
+def test_arith_broadcasts_per_sample_over_tokens_and_zeroes_padding():
+    batch = {
+        "rewards": torch.tensor([1.0, 2.0]),
+        "ref_logprobs": torch.tensor([[0.5, 0.5], [1.0, 0.0]]),
+        "response_mask": torch.tensor([[1, 1], [1, 0]]),
+    }
+    out, _ = expr.arith(batch, {"expr": "rewards - 2 * ref_logprobs", "output": "x"})
+    assert torch.equal(out["x"], torch.tensor([[0.0, 0.0], [0.0, 0.0]]))
+    with pytest.raises(Exception, match="not allowed"):
+        expr.arith(batch, {"expr": "rewards.__class__", "output": "x"})
+
+
+@pytest.mark.parametrize(
+    ("logic", "line", "reason"),
+    [
+        ("import os\nresponse = actor.generate(prompt)", 1, "imports are not allowed"),
+        (
+            "response = actor.generate(prompt)\nx = os.system(prompt)",
+            2,
+            "attributes of other objects",
+        ),
+        ("for i in prompt:\n    response = actor.generate(prompt)", 1, "loops are not allowed"),
+        ("f = lambda x: x", 1, "lambdas are not allowed"),
+        ("response = actor.generate(prompt.__class__)", 1, "dunder names"),
+        ("response = actor.generate(prompt[0])", 1, "subscripts are not allowed"),
+        ("response = actor.generate(prompt)\nx = open(response)", 2, "unknown function 'open'"),
+        ("response = actor.model.generate(prompt)", 1, "attribute chains"),
+        (
+            "response = actor.generate(prompt)\nresponse = reward.score(prompt, response)",
+            2,
+            "assigned exactly once",
+        ),
+        (
+            "score = reward.score(prompt, response)\nresponse = actor.generate(prompt)",
+            1,
+            "used before it is assigned",
+        ),
+        ("response = actor.generate(prompt)\nx = 3", 2, "a constant alone"),
+        ("response = actor.generate(prompt)\nactor.train(response)", 2, "not a method of actor"),
+        (
+            "response = actor.generate(prompt)\ns = reward.score(prompt, response)\nl = ppo_loss(s, clip=2)",
+            3,
+            "no option 'clip'",
+        ),
+        ("response = actor.generate(prompt)\nl = ppo_loss(response)", 2, "ppo_loss(...) takes"),
+        ("response = actor.generate(prompt)\nif response:\n    pass", 2, "conditionals"),
+        ("response = actor.generate(prompt)\nx = response + 1", 2, "token sequence"),
+        ("response = actor.generate(prompt, temperature=t)", 1, "must be a constant"),
+        ("response = actor.generate(prompt)\nx += 1", 2, "assigned once"),
+    ],
+)
+def test_rejected_logic_names_line_and_reason(logic, line, reason):
+    with pytest.raises(CompileError) as info:
+        compile_step(logic, ["prompt"], [], ALL)
+    assert info.value.line == line, str(info.value)
+    assert reason in str(info.value)
+    assert f"logic line {line}" in str(info.value)
+
+
+def test_inputs_outputs_and_missing_roles_are_checked():
+    with pytest.raises(CompileError, match="output 'advantage' is never produced"):
+        compile_step(SEED, ["prompt"], ["advantage"], ALL)
+    with pytest.raises(CompileError, match="input 'question' is not a value"):
+        compile_step(SEED, ["question"], [], ALL)
+    with pytest.raises(CompileError, match="needs a reference model"):
+        compile_step(SEED, ["prompt"], [], ["actor", "rollout", "critic", "reward"])
+    with pytest.raises(CompileError, match="GAE needs a critic"):
+        compile_step(
+            SEED.replace(
+                "ppo_loss(reward_score, kl_div)", "ppo_loss(reward_score, kl_div, estimator='gae')"
+            ),
+            ["prompt"],
+            [],
+            NO_CRITIC,
+        )
+    with pytest.raises(CompileError, match="never generates"):
+        compile_step("x = prompt", ["prompt"], [], ALL)
+
+
+def test_every_kind_names_its_runtime_tensors():
+    # The one table from logic names to wire names (documentation is tested too).
+    assert KINDS["score"].fields == ("rewards",)
+    assert KINDS["response"].fields[:2] == ("response_ids", "response_mask")
+    assert all(k.doc for k in KINDS.values())
