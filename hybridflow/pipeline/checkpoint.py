@@ -307,6 +307,27 @@ def policy_weights(root: Path) -> dict[str, torch.Tensor]:
 # In the coordinator
 
 
+def save_drivers(drivers: Mapping[int, Any], root: Path) -> None:
+    """State of the driver ops that keep any (`state_dict()`), e.g. an adaptive KL
+    coefficient, under `coordinator/driver-<op index>`."""
+    out = root / "coordinator"
+    for index, fn in drivers.items():
+        if callable(getattr(fn, "state_dict", None)):
+            out.mkdir(parents=True, exist_ok=True)
+            write_state(fn.state_dict(), out, f"driver-{index}")
+
+
+def load_drivers(drivers: Mapping[int, Any], root: Path) -> None:
+    src = root / "coordinator"
+    for index, fn in drivers.items():
+        if (src / f"driver-{index}.json").is_file():
+            if not callable(getattr(fn, "load_state_dict", None)):
+                raise PipelineError(
+                    f"checkpoint {root} holds state for driver op {index}, which cannot load it"
+                )
+            fn.load_state_dict(read_state(src, f"driver-{index}"))
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     save_dir: str

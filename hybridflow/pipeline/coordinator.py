@@ -42,6 +42,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ from hybridflow.errors import (
     PipelineError,
     StageError,
 )
-from hybridflow.pipeline.checkpoint import SAVE_OP, Checkpointer
+from hybridflow.pipeline.checkpoint import SAVE_OP, Checkpointer, load_drivers, save_drivers
 from hybridflow.pipeline.data_source import DataSource
 from hybridflow.pipeline.driver import resolve_driver_op
 from hybridflow.pipeline.launcher import Launcher
@@ -95,6 +96,7 @@ class Coordinator:
         collect: tuple[str, ...] = (),
         start_step: int = 0,
         checkpointer: Checkpointer | None = None,
+        resume_dir: str | None = None,
     ) -> None:
         self.plan = plan
         self.topo = plan.topology
@@ -122,6 +124,8 @@ class Coordinator:
             for op in plan.ops
             if op.stage is None
         }
+        if resume_dir:  # driver ops with state (e.g. an adaptive KL coefficient)
+            load_drivers(self._drivers, Path(resume_dir))
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="coordinator-compute")
         self._io = ThreadPoolExecutor(1, thread_name_prefix="coordinator-io")
         self._wake = asyncio.Event()
@@ -414,6 +418,8 @@ class Coordinator:
             peer.given(task_id, (SAVE_OP, step, -1))
             await self.chan.send(task, to=ident)
         await asyncio.gather(*waits)
+        # The next step is held: no driver op runs while its state is written.
+        await loop.run_in_executor(self._io, save_drivers, self._drivers, tmp)
         meta = ck.meta(step, self.plan.topology, self.sched.policy_version)
         try:
             path = await loop.run_in_executor(self._io, ck.commit, tmp, meta)

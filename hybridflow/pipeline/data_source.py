@@ -39,6 +39,7 @@ class DataSource(Protocol):
 SOURCES: dict[str, str] = {
     "synthetic": "hybridflow.pipeline.data_source:SyntheticPrompts",
     "prompts": "hybridflow.pipeline.rl_data:GroupedPrompts",  # datasets / tasks for RL
+    "sft": "hybridflow.pipeline.sft_data:SFTExamples",  # (prompt, response) pairs for SFT
 }
 
 

@@ -160,6 +160,7 @@ async def _amain(
         collect=collect,
         start_step=start_step,
         checkpointer=checkpointer,
+        resume_dir=resume_dir,
     )
     _cancel_on_sigterm(terminated)
     try:
