@@ -48,6 +48,7 @@ from hybridflow.pipeline.data_source import create_source
 from hybridflow.pipeline.launcher import Launcher, LocalLauncher, ProcessSpec
 from hybridflow.pipeline.metrics import MetricsSink, make_sinks
 from hybridflow.pipeline.topology import Plan, build_plan, describe, describe_text
+from hybridflow.pipeline.weight_sync import endpoints
 from hybridflow.transport import shm
 from hybridflow.transport.channel import Channel
 
@@ -191,6 +192,8 @@ def _specs(
     init = {
         stage: f"tcp://{host}:{_free_port(host)}" for stage, n in plan.replicas.items() if n > 1
     }
+    # Stage-to-stage weight links (disaggregated reshard): one endpoint per sending role.
+    weight_sync = endpoints(plan.topology, endpoint)
     return [
         ProcessSpec(
             name=p.name,
@@ -205,6 +208,7 @@ def _specs(
                 "parent_pid": os.getpid(),
                 "init_method": init.get(p.stage, ""),
                 "resume_dir": resume_dir or "",
+                "weight_sync": copy.deepcopy(weight_sync),
             },
             title=f"hf-{p.stage}-{p.replica}",
         )

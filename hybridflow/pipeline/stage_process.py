@@ -27,6 +27,9 @@ Checkpoints (pipeline/checkpoint.py): the control op `checkpoint_save` is answer
 the process itself (every role's state_dict + RNG written to the given directory); a
 payload with `resume_dir` restores roles and RNG right after setup. Log lines carry
 stage/replica and the step of the task being run.
+Disaggregated reshard (pipeline/weight_sync.py): when the topology links an actor's
+`reshard` to a `load_weights` in another stage, the process answers those two ops itself:
+weights stream stage to stage over the endpoint in the payload's `weight_sync`.
 
 Each task's `params` are the op's configured params plus `step`, `mb_id` and
 `policy_version` from the Task. Results carry `info["compute_s"]`, the seconds spent in
@@ -55,6 +58,7 @@ from hybridflow.config.schema import Topology
 from hybridflow.errors import HybridflowError
 from hybridflow.pipeline import checkpoint
 from hybridflow.pipeline.topology import role_ops
+from hybridflow.pipeline.weight_sync import StageWeightSync
 from hybridflow.stages import StageContext, create_role
 from hybridflow.stages.base import Role
 from hybridflow.transport.channel import Channel, Received
@@ -120,6 +124,9 @@ class StageProcess:
         self.init_method = str(payload.get("init_method", ""))
         self.parent_pid = int(payload.get("parent_pid", os.getppid()))
         self.resume_dir = str(payload.get("resume_dir") or "")
+        # Disaggregated reshard (weight_sync.py): endpoints the runner allocated, if any.
+        self.weight_sync_spec = dict(payload.get("weight_sync") or {})
+        self.weight_sync: StageWeightSync | None = None
         self.kinds = {name: rc.kind or name for name, rc in self.cfg.roles.items()}
         self.config_hash = config_hash(topo)
         self.state = StageState.CONNECTING
@@ -180,6 +187,8 @@ class StageProcess:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._close_roles()
+            if self.weight_sync is not None:
+                await self.weight_sync.close()
             self.chan.close()
 
     async def _handshake(self) -> int:
@@ -212,6 +221,20 @@ class StageProcess:
 
     async def _setup_roles(self) -> bool:
         device = torch.device(self.cfg.device_of(self.replica))
+        try:  # connect weight-sync peers first: they meet while the models load
+            self.weight_sync = StageWeightSync.for_stage(
+                self.topo,
+                self.stage,
+                self.replica,
+                self.weight_sync_spec,
+                run_id=self.run_id,
+                config_hash=self.config_hash,
+            )
+            if self.weight_sync is not None:
+                await self.weight_sync.start()
+        except HybridflowError as exc:
+            await self._fail_setup("weight_sync", exc)
+            return False
         for name, rc in self.cfg.roles.items():
             try:
                 self.roles[name] = create_role(rc.kind or name, rc.backend)
@@ -311,6 +334,12 @@ class StageProcess:
                 )
             elif role is None:
                 raise KeyError(f"role {task.role!r} is not hosted here (have {list(self.roles)})")
+            elif self.weight_sync is not None and self.weight_sync.handles(task):
+                # Disaggregated reshard: weights stream stage to stage, not via the role.
+                outputs, metrics = (
+                    {},
+                    await self.weight_sync.run(task, self.roles, params, self._in_worker),
+                )
             else:
                 outputs, metrics = await self._in_worker(role.handle, task.op, batch, params)
             result = Result(

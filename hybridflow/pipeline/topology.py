@@ -9,7 +9,9 @@ sources, driver ops, metrics sinks and, when asked, that the devices exist. Prod
 Dependencies inside one step (what `PlannedOp.deps` means):
   - a micro-batch op depends on the producers of its inputs (per micro-batch for
     micro-batch values, the whole step for step values; data fields are always there);
-  - a step op depends on every op listed before it (the step barrier).
+  - a step op depends on every op listed before it (the step barrier), except that a
+    `reshard` streaming weights to another stage and that stage's `load_weights` do not
+    wait for each other: they run together (pipeline/weight_sync.py).
 `head` ops consume only data fields: they start a step's micro-batches (rollout), and
 only they may run ahead of the previous step's reshard (`max_offpolicy_steps`).
 """
@@ -102,6 +104,10 @@ def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:
     if check_devices:
         _check_devices(topo)
     role_stage = topo.role_stage()
+    from hybridflow.pipeline.weight_sync import sync_partners
+
+    # A reshard streaming to another stage and that stage's load_weights run together.
+    partners = sync_partners(topo)
     producer: dict[str, int] = {name: DATA for name in topo.data.fields}
     phases: list[str] = []
     ops: list[PlannedOp] = []
@@ -113,7 +119,7 @@ def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:
         if cfg.phase_name not in phases:
             phases.append(cfg.phase_name)
         if cfg.scope == "step":
-            deps = tuple(range(i))
+            deps = tuple(j for j in range(i) if j not in partners.get(i, ()))
         else:
             deps = tuple(sorted({producer[n] for n in cfg.inputs} - {DATA}))
         head = cfg.scope == "micro_batch" and all(producer[n] == DATA for n in cfg.inputs)
@@ -228,7 +234,15 @@ def describe(plan: Plan) -> dict[str, Any]:
             for op in plan.ops
         ],
         "edges": [{"from": a, "to": b, "value": v} for a, b, v in plan.edges()],
+        **_weight_links(t),
     }
+
+
+def _weight_links(t: Topology) -> dict[str, Any]:
+    from hybridflow.pipeline.weight_sync import describe_links
+
+    found = describe_links(t)
+    return {"weight_sync": found} if found else {}
 
 
 def describe_text(plan: Plan) -> str:
@@ -256,4 +270,6 @@ def describe_text(plan: Plan) -> str:
     lines.append("edges:")
     for e in d["edges"]:
         lines.append(f"  {e['from']} -> {e['to']}: {e['value']}")
+    for w in d.get("weight_sync", []):
+        lines.append(f"weights: {w['from']} -> {', '.join(w['to'])} over {w['tier']}")
     return "\n".join(lines)

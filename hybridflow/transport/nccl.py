@@ -294,6 +294,14 @@ class NcclTier:
         self._reap()
         return len(self._p.in_flight)
 
+    def wait_sent(self) -> None:
+        """Make the caller's stream wait for every posted send (NCCL: no CPU wait; gloo:
+        waits), after which the sent tensors may be overwritten (weight sync: before the
+        optimizer touches the parameters again)."""
+        while self._p.in_flight:
+            work, _ = self._p.in_flight.popleft()
+            work.wait()
+
     def close(self) -> None:
         self._reserved.clear()
         self._p.in_flight.clear()

@@ -1,0 +1,112 @@
+"""Disaggregated reshard over real stage processes: the actor (trainer/0) streams its
+trained weights to the rollout (gen/0) through shared memory after every step.
+
+The rollout starts from other initial weights than the actor (init seeds differ), so
+the rollout's step-1 greedy output can only equal the actor's if the weights really
+moved; the actor's step-0 update is replayed here to know what "the actor's own greedy
+output" is."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from ws_helpers import ACTOR_SEED, ROLLOUT_SEED, ShmProbe, disaggregated, greedy, shm_names
+
+from hybridflow.config.schema import load_topology
+from hybridflow.errors import PipelineError
+from hybridflow.pipeline.launcher import LocalLauncher
+from hybridflow.pipeline.runner import run_topology
+from hybridflow.stages.actor import Actor
+from hybridflow.stages.base import StageContext
+
+COLLECT = ("prompt_ids", "prompt_mask", "response_ids", "rollout_logprobs", "old_logprobs")
+
+
+def _replayed_actor(step0: dict[str, torch.Tensor], options: dict) -> Actor:
+    """The actor after step 0, rebuilt here: same init, same batch, same update."""
+    actor = Actor()
+    actor.setup(
+        StageContext(
+            stage="trainer",
+            replica=0,
+            device=torch.device("cpu"),
+            seed=0,
+            run_dir=Path("/nonexistent"),
+            options=options,
+        )
+    )
+    batch = {k: step0[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "old_logprobs")}
+    batch["response_mask"] = torch.ones_like(batch["response_ids"])  # stop_on_eos: false
+    batch["advantages"] = torch.ones(batch["response_ids"].shape)
+    actor.handle("update", batch, {})
+    actor.handle("optimizer_step", {}, {})
+    return actor
+
+
+class _Pids(LocalLauncher):
+    def start(self, specs):  # type: ignore[no-untyped-def]
+        super().start(specs)
+        self.started = self.pids()
+
+
+def _gone(run_id: str, launcher: _Pids) -> list[str]:
+    left = [f"pid {p}" for p in launcher.started.values() if os.path.exists(f"/proc/{p}")]
+    return left + shm_names(run_id)
+
+
+def test_rollout_stage_generates_what_the_trained_actor_generates(tmp_path):
+    d = disaggregated(tmp_path)
+    run_id, launcher = "wsrun-greedy", _Pids()
+    probe = ShmProbe(run_id)
+    res = run_topology(
+        load_topology(d), collect=COLLECT, run_id=run_id, sinks=[probe], launcher=launcher
+    )
+    step = [{k: v[0] for k, v in res.collected[s].items()} for s in (0, 1)]
+    prompts = [{k: step[s][k] for k in ("prompt_ids", "prompt_mask")} for s in (0, 1)]
+
+    # Step 0: the rollout still has its own initial weights, not the actor's.
+    assert torch.equal(step[0]["response_ids"], greedy(ROLLOUT_SEED, prompts[0])["response_ids"])
+    assert (step[0]["rollout_logprobs"] - step[0]["old_logprobs"]).abs().max() > 0.1
+
+    # Step 1: after actor.reshard -> rollout.load_weights, the rollout holds the trained
+    # actor's weights: its greedy tokens are the actor's, and its log-probs are the ones
+    # the actor itself computed on them (get_logprob ran in the trainer process).
+    actor = _replayed_actor(step[0], d["stages"]["trainer"]["roles"]["actor"]["options"])
+    mine = greedy(ROLLOUT_SEED, prompts[1], actor.named_weights())
+    assert torch.equal(step[1]["response_ids"], mine["response_ids"])
+    torch.testing.assert_close(step[1]["rollout_logprobs"], mine["rollout_logprobs"])
+    torch.testing.assert_close(
+        step[1]["rollout_logprobs"], step[1]["old_logprobs"], atol=1e-4, rtol=0
+    )
+    # ... and the training did change them: the untrained actor answers otherwise.
+    untrained = greedy(ACTOR_SEED, prompts[1])
+    assert (untrained["rollout_logprobs"] - mine["rollout_logprobs"]).abs().max() > 0.1
+
+    m = res.metrics[1]
+    assert m["rollout/policy_version"] == 1.0 and m["actor/policy_version"] == 2.0
+    # ~0.5 MB of weights in buckets of <= 0.02 MB: many buckets, all bytes moved once.
+    assert m["weight_sync/buckets"] > 10 and m["weight_sync/bytes"] == m["reshard/bytes"]
+    assert probe.seen == [[], []]  # between steps no segment is left unmapped in /dev/shm
+    assert _gone(run_id, launcher) == []
+
+
+def test_rollout_killed_mid_sync_stops_the_run_naming_it(tmp_path):
+    """The receiving process is SIGKILLed at its first bucket: the run ends at once with an
+    error naming the rollout stage and the sync, and leaves nothing behind."""
+    d = disaggregated(tmp_path, steps=1)
+    d["stages"]["gen"]["roles"]["rollout"] = {
+        "backend": "synthetic",
+        "options": {"die_at": {"op": "load_weights", "step": 0}},
+    }
+    d["dataflow"] = [op for op in d["dataflow"] if op["op"] in ("reshard", "load_weights")]
+    run_id, launcher = "wsrun-dies", _Pids()
+    with pytest.raises(PipelineError) as err:
+        run_topology(load_topology(d), run_id=run_id, launcher=launcher)
+    text = str(err.value)
+    # Whoever notices first: the coordinator (stage gen died in load_weights) or the
+    # actor's sender (receiver rollout@gen/0 died during the weight sync).
+    assert "gen" in text and ("load_weights" in text or "weight sync" in text), text
+    assert _gone(run_id, launcher) == []
