@@ -9,7 +9,8 @@ into those dataclasses and refuses anything it does not understand:
 
 Supported field types: bool/int/float/str, Literal[...], Enum, Optional/unions of those,
 list[T], tuple[T, ...], dict[str, T], nested dataclasses, and `Any` (kept as is; used for
-backend-specific `options`). `--set a.b=c` overrides are parsed as YAML scalars.
+backend-specific `options`). `--set a.b=c` overrides are parsed as YAML scalars; a
+numeric part indexes a list (`dataflow.3.params.kl_coef=0.1`).
 
 Invariant: a successfully loaded config is fully typed and validated; nothing downstream
 re-checks types.
@@ -62,16 +63,32 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(key, f"override value {raw!r} is not valid YAML: {exc}") from exc
-        node = out
+        node: Any = out
         parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            nxt = node.get(part)
-            if nxt is None:
-                nxt = node[part] = {}
-            if not isinstance(nxt, dict):
-                raise ConfigError(".".join(parts[: i + 1]), "is not a mapping; cannot set a sub-key")
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):  # a list item by index: dataflow.3.params.kl_coef=0.1
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(
+                        ".".join(parts[: i + 1]),
+                        f"{part!r} is not an index of this list (0..{len(node) - 1})",
+                    )
+                if last:
+                    node[int(part)] = value
+                    break
+                nxt = node[int(part)]
+            else:
+                if last:
+                    node[part] = value
+                    break
+                nxt = node.get(part)
+                if nxt is None:
+                    nxt = node[part] = {}
+            if not isinstance(nxt, (dict, list)):
+                raise ConfigError(
+                    ".".join(parts[: i + 1]), "is not a mapping; cannot set a sub-key"
+                )
             node = nxt
-        node[parts[-1]] = value
     return out
 
 
