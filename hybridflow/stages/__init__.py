@@ -8,6 +8,7 @@ from hybridflow.stages.base import BACKENDS, Role, StageContext, create_role, re
 
 register("*", "synthetic", "hybridflow.stages.synthetic:SyntheticRole")
 register("rollout", "hf", "hybridflow.stages.rollout_hf:HFRollout")
+register("rollout", "vllm", "hybridflow.stages.rollout_vllm:VLLMRollout")
 register("actor", "hf", "hybridflow.stages.actor:Actor")
 register("critic", "hf", "hybridflow.stages.critic:Critic")
 register("reference", "hf", "hybridflow.stages.reference:Reference")

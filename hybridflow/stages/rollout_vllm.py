@@ -30,7 +30,7 @@ before temperature/top-k/top-p). This backend starts the engine with
 `logprobs_mode="processed_logprobs"`: the log-prob of each sampled token under the
 distribution it was actually drawn from, after temperature and top-k/top-p (truncated
 distributions are renormalised over the kept tokens). Without top-k/top-p that equals the
-actor's recomputation `logprobs_from_logits(logits / temperature, tokens)`; tests/vllm
+actor's recomputation `logprobs_from_logits(logits / temperature, tokens)`; tests/rollout_vllm
 measures the agreement. With greedy decoding (temperature 0) they are the log-probs at
 temperature 1.
 

