@@ -414,6 +414,7 @@ class DataflowBuilder:
             "multi_host": launcher is not None,
         }
         topo = self.topology(**settings)
+        _check_models(topo)
         build_plan(topo, check_devices=True)  # registries, data source, driver ops, devices
         logging.getLogger("hybridflow").setLevel(log_level)
         engine = Engine(self, settings, launcher)
@@ -468,14 +469,14 @@ class Engine:
         base = self.save.save_dir if self.save else self._default_dir()
         path = ckpt.resolve(resume_from, base)
         meta = ckpt.read_meta(path)
-        if meta.get("config", {}).get("stages") is not None:
-            ours = to_dict(self.builder.topology(**self.settings))["stages"]
-            if sorted(meta["config"]["stages"]) != sorted(ours):
-                raise ConfigError(
-                    "resume_from",
-                    f"{str(path)!r} was written by stages {sorted(meta['config']['stages'])}; "
-                    f"this job has {sorted(ours)}",
-                )
+        theirs = _layout(meta.get("config", {}).get("stages") or {})
+        ours = _layout(to_dict(self.builder.topology(**self.settings))["stages"])
+        if theirs != ours:
+            raise ConfigError(
+                "resume_from",
+                f"{str(path)!r} was written by stages {theirs}; this job has {ours} "
+                "(a checkpoint resumes the same roles on the same processes)",
+            )
         self.state, self.step = str(path), int(meta["step"])
         return self.state
 
@@ -734,6 +735,25 @@ def _dataset_source(dataset: Any, log_dir: Path | None) -> str:
     raise ConfigError(
         "dataset", f"expected a task name, a path or a list of prompts, got {dataset!r}"
     )
+
+
+def _layout(stages: Mapping[str, Any]) -> dict[str, Any]:
+    """stage -> (replicas, sorted roles): what a checkpoint's parts are keyed by."""
+    return {
+        name: (int(cfg.get("replicas", 1)), sorted(cfg.get("roles", {})))
+        for name, cfg in stages.items()
+    }
+
+
+def _check_models(topo: Topology) -> None:
+    """Every model a role names exists (a directory or a preset): fail before launch."""
+    from hybridflow.models.loader import resolve_model
+
+    for stage, cfg in topo.stages.items():
+        for role, rc in cfg.roles.items():
+            model = rc.options.get("model")
+            if isinstance(model, str) and rc.backend in ("hf", "model", "vllm"):
+                resolve_model(model, f"stages.{stage}.roles.{role}.options.model")
 
 
 def _cuda_count() -> int:

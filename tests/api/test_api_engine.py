@@ -1,0 +1,139 @@
+"""Engine over real stage processes on CPU: checkpoints, resume, reproducibility, export.
+
+One uninterrupted 6-step GRPO run (with a KL loss to a reference) is the reference. A
+second run with the same seed, SIGKILLed after its second checkpoint, must have logged
+identical metrics so far; a fresh engine (as after a restart) resumes it from the
+latest checkpoint and must log identical metrics for the remaining steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from engine_job import builder
+
+from hybridflow import DataflowBuilder
+from hybridflow.errors import ConfigError
+
+# Wall-clock numbers differ run to run; everything else must not.
+TIMING = ("timing/", "compute/", "perf/", "rollout/gen_s", "rollout/tokens_per_s", "reward/fn_s")
+JOB = Path(__file__).with_name("engine_job.py")
+
+
+def clean(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """6 uninterrupted steps: metrics and the final checkpoint."""
+    log_dir = tmp_path_factory.mktemp("ref")
+    engine = builder().build(metrics_backend="jsonl", log_dir=log_dir)
+    result = engine.train("last_digit", steps=6)
+    return clean(result.metrics), Path(result.checkpoint), log_dir
+
+
+def test_killed_run_resumes_identically_and_same_seed_repeats(reference, tmp_path):
+    """A job SIGKILLed after its second checkpoint; a fresh engine resumes it from the
+    latest checkpoint. Both parts must match the uninterrupted run step for step."""
+    ref_rows, _, _ = reference
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(JOB), str(run_dir), str(ck), "6", "INFO"],
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not (ck / "step-00000002" / "meta.json").is_file():
+            assert proc.poll() is None, "the job ended before its second checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 90 s"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)  # the coordinator dies; its stages follow it
+    finally:
+        err = proc.communicate(timeout=30)[1]
+    done = sorted(p.name for p in ck.glob("step-*"))
+    assert done and "step-00000006" not in done, done  # killed mid-run
+    # log_level reaches every stage process; their lines carry stage/replica and step.
+    assert "INFO [engine/0 step" in err and "INFO [reward/0 step" in err
+
+    # Reproducibility: the killed run logged the same numbers as the reference so far.
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    killed = clean([json.loads(x) for x in lines])
+    assert len(killed) >= 2 and killed == ref_rows[: len(killed)]
+
+    check_checkpoint(ck / done[-1], int(done[-1].split("-")[1]))
+
+    engine = builder().build(metrics_backend="null", log_dir=tmp_path / "resumed")
+    engine.save_checkpoint(ck, save_interval=0, keep_last=2)
+    engine.resume("latest")
+    start = engine.step
+    assert 2 <= start < 6
+    result = engine.train("last_digit", steps=6 - start)
+    assert [r["step"] for r in result.metrics] == list(range(start, 6))
+    assert clean(result.metrics) == ref_rows[start:]
+    # keep_last=2 pruned the older checkpoints; `latest` names the newest
+    assert sorted(p.name for p in ck.glob("step-*")) == [done[-1], "step-00000006"]
+    assert (ck / "latest").read_text().strip() == "step-00000006"
+    assert not list(ck.glob(".tmp-*"))
+
+
+def check_checkpoint(path: Path, step: int) -> None:
+    """Contents of one checkpoint: meta, role states (safetensors + JSON), RNG."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["step"] == step and meta["seed"] == 3 and meta["policy_version"] == step
+    assert meta["data"] == {"next_step": step, "samples_seen": 16 * step}
+    assert meta["config"]["name"] == "resume" and "grpo_loss" in meta["extra"]["logic"]
+    stage = path / "stages" / "engine-0"
+    actor = load_file(str(stage / "actor.safetensors"))
+    assert any(k.startswith("model.") for k in actor)
+    assert any(k.startswith("trainer.optimizer.") and "exp_avg" in k for k in actor)
+    assert "trainer.generator" in actor  # the trainer's RNG
+    state = json.loads((stage / "actor.json").read_text())
+    assert state["version"] == step and state["trainer"]["scheduler"]["last_epoch"] == step
+    for proc in ("engine-0", "reward-0"):
+        assert (path / "stages" / proc / "rng.safetensors").is_file()
+
+
+def test_final_policy_is_exported_for_transformers(reference, tmp_path):
+    _, last, _ = reference
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    policy = last / "policy"
+    model = AutoModelForCausalLM.from_pretrained(str(policy), local_files_only=True)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(policy), local_files_only=True)
+    from safetensors.torch import load_file
+
+    trained = load_file(str(last / "stages" / "engine-0" / "actor.safetensors"))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, trained[f"model.{name}"]), name
+    assert tok("last:123=")["input_ids"]
+
+
+def test_resume_errors_are_clear(reference, tmp_path):
+    with pytest.raises(ConfigError, match="no checkpoint under"):
+        builder().build(metrics_backend="null", log_dir=tmp_path).resume("latest")
+    with pytest.raises(ConfigError, match="is not a checkpoint"):
+        builder().build(metrics_backend="null", log_dir=tmp_path).resume(tmp_path / "nothing")
+    df = DataflowBuilder("other", seed=3)
+    df.add_actor("tiny", device_mapping="cpu")
+    df.add_reward_function("hybridflow.data.tasks:last_digit_reward")
+    df.define_training_step(
+        ["prompt"],
+        ["loss"],
+        "r = actor.generate(prompt, n=2)\ns = reward.score(r)\nloss = grpo_loss(s)\nactor.update(loss)",
+    )
+    _, last, _ = reference
+    with pytest.raises(ConfigError, match="was written by stages"):
+        df.build(metrics_backend="null", log_dir=tmp_path).resume(last)
