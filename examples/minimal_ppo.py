@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
 
     df = DataflowBuilder("minimal_ppo", seed=0)
     df.add_actor(model_name="tiny", device_mapping="cpu", lr=1e-2, max_new_tokens=3)
-    df.add_reward_function("hybridflow.data.tasks:last_digit_reward")
+    # Same mapping as the actor: one process hosts everything (the smallest footprint).
+    df.add_reward_function("hybridflow.data.tasks:last_digit_reward", device_mapping="cpu")
     df.define_training_step(inputs=["prompt"], outputs=["loss", "rewards"], logic=LOGIC)
     df.configure(step_batch=32, micro_batch=16)
     engine = df.build(log_level="WARNING", metrics_backend="jsonl", log_dir=args.log_dir)
