@@ -215,7 +215,7 @@ class DataflowBuilder:
         if "actor" not in self._roles:
             raise ConfigError("add_actor", "a job needs an actor (df.add_actor)")
         compiled = self.compile()
-        stages = self._stages(compiled, device_mapping or {}, cuda_count, multi_host)
+        stages, _ = self._stages(compiled, device_mapping or {}, cuda_count, multi_host)
         data = self._data_config(compiled, dataset, log_dir)
         backends = _backends(metrics_backend)
         if log_level not in LOG_LEVELS:
@@ -242,7 +242,8 @@ class DataflowBuilder:
         overrides: Mapping[str, Any],
         cuda_count: int | None,
         multi_host: bool,
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """-> (the Topology's `stages`, process name -> node for processes on other hosts)."""
         options = self._role_options(compiled)
         gpu = _cuda_count() if cuda_count is None else cuda_count
         default = "cuda:0" if gpu else "cpu"
@@ -279,9 +280,10 @@ class DataflowBuilder:
             mappings[runtime] = mapping
         slots = {role: normalize(role, m) for role, m in mappings.items()}
         slots["rollout"] = slots["actor"]
-        stages = {}
+        stages, nodes = {}, {}
         for sp in place(slots, cuda_count=gpu, multi_host=multi_host):
             name = "engine" if "rollout" in sp.roles else sp.name
+            nodes |= {f"{name}/{r}": s.node for r, s in enumerate(sp.slots) if s.node}
             stages[name] = {
                 "replicas": sp.replicas,
                 "devices": sp.devices,
@@ -289,7 +291,18 @@ class DataflowBuilder:
                     r: {"backend": self._roles[r].backend, "options": options[r]} for r in sp.roles
                 },
             }
-        return stages
+        return stages, nodes
+
+    def nodes(
+        self,
+        device_mapping: Mapping[str, Any] | None = None,
+        cuda_count: int | None = None,
+        **_: Any,
+    ) -> dict[str, str]:
+        """Process name ("engine/1") -> host, for processes the mappings put on named
+        hosts; what a multi-host launcher's `assign_nodes` receives before each run."""
+        compiled = self.compile()
+        return self._stages(compiled, device_mapping or {}, cuda_count, True)[1]
 
     def _role_options(self, compiled: CompiledStep) -> dict[str, dict[str, Any]]:
         out = {role: dict(spec.options) for role, spec in self._roles.items()}
@@ -419,11 +432,13 @@ class DataflowBuilder:
             "metrics_backend": metrics_backend,
             "log_level": log_level,
             "device_mapping": dict(device_mapping or {}),
-            "multi_host": launcher is not None,
+            # A launcher that places processes on hosts says so with `assign_nodes`.
+            "multi_host": callable(getattr(launcher, "assign_nodes", None)),
         }
         topo = self.topology(**settings)
         _check_models(topo)
-        build_plan(topo, check_devices=True)  # registries, data source, driver ops, devices
+        # registries, data source, driver ops; local GPUs unless processes go elsewhere
+        build_plan(topo, check_devices=not settings["multi_host"])
         logging.getLogger("hybridflow").setLevel(log_level)
         from hybridflow.pipeline.engine import Engine
 

@@ -269,6 +269,8 @@ class Engine:
         from hybridflow.pipeline.runner import run_topology
 
         resume_dir = self.state if resume else None
+        if self.settings.get("multi_host"):  # the launcher places processes on hosts
+            self.launcher.assign_nodes(self.builder.nodes(**self.settings))
         res = run_topology(
             topo,
             collect=tuple(collect),

@@ -16,8 +16,9 @@ Rules (the hybrid engine / disaggregation split of HybridFlow):
   - mappings that overlap without being identical are an error (a GPU would be shared by
     two process groups that do not know about each other); the CPU is the exception:
     any number of processes may use it;
-  - a GPU that does not exist, a device listed twice, a node name without a multi-host
-    launcher: errors, raised at `build()` before any process starts.
+  - a GPU that does not exist here, a device listed twice, a node name without a
+    multi-host launcher: errors, raised at `build()` before any process starts (GPUs of
+    other hosts are that launcher's to check).
 
 Consumes plain mapping values; produces `StagePlacement`s (roles, replicas, devices)
 that the builder turns into `stages:` of a Topology. Imports no torch (the caller passes
@@ -142,7 +143,7 @@ def place(
                     f"node {s.node!r}: placing roles on other hosts needs a multi-host "
                     "launcher, and none is configured; drop the node name to run here",
                 )
-            if s.exclusive and int(s.device.split(":")[1]) >= cuda_count:
+            if s.exclusive and not s.node and int(s.device.split(":")[1]) >= cuda_count:
                 raise ConfigError(
                     sub,
                     f"{s.device} is not available: this machine has {cuda_count} CUDA "

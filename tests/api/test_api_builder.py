@@ -232,3 +232,32 @@ def test_reward_service_and_generate_options_reach_their_roles():
     assert topo.data.options["samples_per_prompt"] == 4
     assert "group_index" in topo.data.fields
     assert to_dict(topo)["dataflow"][0]["op"] == "generate"
+
+
+class NodeLauncher:
+    """A multi-host launcher stand-in (the seam: `assign_nodes` before each run)."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, str] = {}
+
+    def assign_nodes(self, nodes: dict[str, str]) -> None:
+        self.nodes = nodes
+
+
+def test_node_names_need_a_multi_host_launcher(tmp_path):
+    df = DataflowBuilder()
+    df.add_actor("tiny", device_mapping=[("node0", "cuda:0"), ("node1", "cuda:0")])
+    df.add_reward_function("hybridflow.data.tasks:last_digit_reward", device_mapping="cpu")
+    df.define_training_step(
+        ["prompt"],
+        ["loss"],
+        "r = actor.generate(prompt, n=2)\ns = reward.score(r)\nloss = grpo_loss(s)\nactor.update(loss)",
+    )
+    with pytest.raises(
+        ConfigError, match="node 'node0': placing roles on other hosts needs a multi-host launcher"
+    ):
+        df.build(log_dir=tmp_path)
+    engine = df.build(log_dir=tmp_path, launcher=NodeLauncher())  # remote GPUs: its business
+    assert df.nodes(**engine.settings) == {"engine/0": "node0", "engine/1": "node1"}
+    topo = df.topology(**engine.settings)
+    assert topo.stages["engine"].replicas == 2 and topo.stages["engine"].devices == "cuda:0"

@@ -85,6 +85,10 @@ def test_killed_run_resumes_identically_and_same_seed_repeats(reference, tmp_pat
     assert sorted(p.name for p in ck.glob("step-*")) == [done[-1], "step-00000006"]
     assert (ck / "latest").read_text().strip() == "step-00000006"
     assert not list(ck.glob(".tmp-*"))
+    # As in the issue: save_checkpoint after training also saves the current state now.
+    saved = engine.save_checkpoint(save_path=tmp_path / "saved", save_interval=1000, keep_last=3)
+    assert saved is not None and json.loads((Path(saved) / "meta.json").read_text())["step"] == 6
+    assert (tmp_path / "saved" / "latest").read_text().strip() == Path(saved).name
 
 
 def check_checkpoint(path: Path, step: int) -> None:
