@@ -245,6 +245,8 @@ class WeightUpdate:
     tensors: int = 0
     bytes: int = 0
     current: str = ""  # the tensor being loaded (named in errors)
+    tied_head: bool = False  # the model ties lm_head to the input embedding
+    head_fed: bool = False  # `lm_head.weight` reached the engine in this update
 
     def start(self) -> None:
         if self.active:
@@ -252,12 +254,15 @@ class WeightUpdate:
         (names,) = self.llm.collective_rpc(_worker_start)
         self.expected, self.loaded = set(names), set()
         self.tensors = self.bytes = 0
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.tied_head = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.head_fed = False
         self.active = True
 
     def feed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if not self.active:
             raise WeightSyncError("feed() outside a weight update: call start() first")
-        counted = self._count(weights)
+        counted = self._tied(self._count(weights))
         try:
             (loaded,) = self.llm.collective_rpc(_worker_feed, args=(counted,))
         except WeightSyncError:
@@ -296,6 +301,24 @@ class WeightUpdate:
                 self.llm.collective_rpc(_worker_finish)
             except Exception:  # the caller re-raises the original error; the engine is stale
                 log.exception("vllm weight update: cleanup after a failed update also failed")
+
+    def _tied(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """vLLM (0.32, seen on CPU) refreshes the LM head only when a tensor named
+        `lm_head.weight` arrives, even in a model whose head is tied to the embedding. A
+        sender that lists a tied parameter once (`named_parameters()`, as the actor does)
+        would leave the engine sampling through a stale head, so the embedding also goes
+        in under that name, once per update (a sender's own copy is then skipped)."""
+        for name, tensor in weights:
+            if name == "lm_head.weight":
+                if self.head_fed:
+                    continue
+                self.head_fed = True
+            yield name, tensor
+            if self.tied_head and not self.head_fed and name == "model.embed_tokens.weight":
+                self.head_fed = True
+                yield "lm_head.weight", tensor
 
     def _count(
         self, weights: Iterable[tuple[str, torch.Tensor]]

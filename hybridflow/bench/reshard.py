@@ -1,0 +1,320 @@
+"""`hybridflow bench reshard --json [--quick]`: moving the actor's weights into the rollout
+engine, per model size: time, bytes, and the plain tensor copy of the same bytes.
+
+Per model preset (tiny; small; the shapes of qwen2-0.5b unless --quick), fp32 weights:
+  copy_s            `dst.copy_(src)` for every parameter into preallocated tensors: the
+                    floor of any reshard that ends in another buffer on this host
+  colocated_s       in process, what actor.reshard does in the hybrid engine:
+                    `HFRollout.update_weights(actor.named_weights())`
+  disaggregated_s   between two processes over the transport (pipeline/weight_sync.py):
+                    actor.reshard -> rollout.load_weights, bucketed (weight_bucket_mb),
+                    through pooled shared memory; the sender's time for one version,
+                    from the first bucket until every bucket is loaded. With real roles
+                    (mode "roles") it runs as a real two-stage run of the runtime and
+                    `disaggregated_step_s` is the coordinator's view (the reshard phase,
+                    dispatch to done); the first sync (segments created and first mapped)
+                    is reported apart as `disaggregated_first_s`, the others are medians.
+  bytes             bytes moved per sync (= the model's parameter bytes, one receiver)
+  *_gbps            bytes / seconds
+Mode "shapes" (qwen2-0.5b): building a random 0.5B model takes ~30 s per process on
+this 2-core machine, so the two ends move tensors of the preset's exact parameter shapes
+with the same sender/receiver code, and the receiver copies each bucket into its own
+preallocated tensors as the hf rollout does; colocated_s is then not measured (it is the
+same per-parameter copy as copy_s).
+All timings are wall-clock on a shared machine: compare within one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.config.schema import load_topology
+from hybridflow.models.presets import preset_config
+from hybridflow.models.tokenizer import builtin_tokenizer
+from hybridflow.pipeline.runner import run_topology
+from hybridflow.pipeline.weight_stream import WeightReceiver, WeightSender
+from hybridflow.pipeline.weight_sync import identity
+from hybridflow.stages.actor import Actor
+from hybridflow.stages.base import StageContext
+from hybridflow.stages.rollout_hf import HFRollout
+
+BUCKET_MB = 64.0  # the actor's default weight_bucket_mb
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    quick = bool(getattr(args, "quick", False))
+    reps = 2 if quick else 3
+    sizes: list[dict[str, Any]] = [_roles_size("tiny", reps)]
+    if not quick:
+        sizes.append(_roles_size("small", reps))
+        sizes.append(_shapes_size("qwen2-0.5b", reps))
+    return {
+        "bench": "reshard",
+        "bucket_mb": BUCKET_MB,
+        "dtype": "float32",
+        "quick": quick,
+        "torch_threads": torch.get_num_threads(),
+        "sizes": sizes,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Real roles: in process, and as a two-stage run
+
+
+def _roles_size(preset: str, reps: int) -> dict[str, Any]:
+    actor = _role(Actor, preset, {"weight_bucket_mb": BUCKET_MB})
+    rollout = _role(HFRollout, preset, {})
+    tensors = [t for _, t in actor.named_weights()]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    out = {
+        "preset": preset,
+        "mode": "roles",
+        "params": sum(t.numel() for t in tensors),
+        "bytes": nbytes,
+        "buckets": sum(1 for _ in actor.weight_buckets()),
+        **_rate("copy", _copy_s(tensors, reps), nbytes),
+    }
+
+    def colocated() -> None:
+        rollout.update_weights(actor.named_weights(), version=1)
+
+    out.update(_rate("colocated", _median(colocated, reps), nbytes))
+    metrics = _two_stage_run(preset, reps + 1)  # step 0: the cold first sync
+    warm = metrics[1:]
+    send_s = statistics.median(m["weight_sync/send_s"] for m in warm)
+    out.update(_rate("disaggregated", send_s, nbytes))
+    out["disaggregated_step_s"] = round(statistics.median(m["timing/reshard"] for m in warm), 6)
+    out["disaggregated_first_s"] = round(metrics[0]["weight_sync/send_s"], 6)
+    out["bytes_moved"] = int(metrics[-1]["weight_sync/bytes"])
+    return out
+
+
+def _role(cls: type, preset: str, options: dict[str, Any]) -> Any:
+    role = cls()
+    role.setup(
+        StageContext(
+            stage="bench",
+            replica=0,
+            device=torch.device("cpu"),
+            seed=0,
+            run_dir=Path(tempfile.gettempdir()),
+            options={"model": preset, "tokenizer": "builtin", **options},
+        )
+    )
+    return role
+
+
+def _two_stage_run(preset: str, steps: int) -> list[dict[str, float]]:
+    with tempfile.TemporaryDirectory(prefix="hf-bench-reshard-") as tmp:
+        topo = load_topology(
+            {
+                "name": "bench-reshard",
+                "run_dir": tmp,
+                "run": {"steps": steps, "step_batch": 1, "micro_batch": 1},
+                "data": {"source": "synthetic", "fields": ["prompt_ids"]},
+                "stages": {
+                    "trainer": {
+                        "roles": {
+                            "actor": {
+                                "backend": "hf",
+                                "options": {
+                                    "model": preset,
+                                    "tokenizer": "builtin",
+                                    "weight_bucket_mb": BUCKET_MB,
+                                },
+                            }
+                        }
+                    },
+                    "gen": {
+                        "roles": {
+                            "rollout": {
+                                "backend": "hf",
+                                "options": {"model": preset, "tokenizer": "builtin"},
+                            }
+                        }
+                    },
+                },
+                "dataflow": [
+                    {"role": "actor", "op": "reshard", "scope": "step", "phase": "reshard"},
+                    {"role": "rollout", "op": "load_weights", "scope": "step", "phase": "reshard"},
+                ],
+                "liveness": {"heartbeat_timeout_s": 60.0, "startup_timeout_s": 300.0},
+                "metrics": {"backends": ["memory"]},
+            }
+        )
+        return run_topology(topo).metrics
+
+
+# ---------------------------------------------------------------------------------------
+# Preset shapes: the transport ends only (sender here, receiver in a child process)
+
+
+def _shapes_size(preset: str, reps: int) -> dict[str, Any]:
+    shapes = _param_shapes(preset)
+    tensors = {name: torch.randn(shape) for name, shape in shapes}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    out: dict[str, Any] = {
+        "preset": preset,
+        "mode": "shapes",
+        "params": sum(t.numel() for t in tensors.values()),
+        "bytes": nbytes,
+        "buckets": sum(1 for _ in _buckets(tensors, int(BUCKET_MB * (1 << 20)))),
+        **_rate("copy", _copy_s(list(tensors.values()), reps), nbytes),
+        "colocated_s": None,
+    }
+    times = asyncio.run(_send_versions(tensors, shapes, reps + 1))
+    out.update(_rate("disaggregated", statistics.median(times[1:]), nbytes))
+    out["disaggregated_first_s"] = round(times[0], 6)
+    out["bytes_moved"] = nbytes
+    return out
+
+
+def _param_shapes(preset: str) -> list[tuple[str, list[int]]]:
+    """(name, shape) of every parameter of the preset, from a model on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    tok = builtin_tokenizer()
+    cfg = preset_config(
+        preset,
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return [(n, list(p.shape)) for n, p in model.named_parameters()]
+
+
+def _buckets(tensors: dict[str, torch.Tensor], limit: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Whole parameters, <= `limit` bytes a bucket (the actor's `weight_buckets` rule)."""
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if bucket and size + n > limit:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = t
+        size += n
+    if bucket:
+        yield bucket
+
+
+async def _send_versions(
+    tensors: dict[str, torch.Tensor], shapes: list[tuple[str, list[int]]], versions: int
+) -> list[float]:
+    with tempfile.TemporaryDirectory(prefix="hf-bench-") as tmp:
+        endpoint = f"ipc://{tmp}/weights"
+        ident = identity("rollout", "bench", 0)
+        run_id = f"bench-reshard-{os.getpid()}"
+        sender = WeightSender(
+            "bench weights", endpoint, (ident,), run_id=run_id, config_hash="bench"
+        )
+        sender.start()
+        child = subprocess.Popen(
+            [sys.executable, "-m", "hybridflow.bench.reshard"], stdin=subprocess.PIPE, text=True
+        )
+        assert child.stdin is not None
+        child.stdin.write(
+            json.dumps({"endpoint": endpoint, "run_id": run_id, "shapes": shapes, "n": versions})
+        )
+        child.stdin.close()
+        times = []
+        try:
+            for v in range(versions):
+                buckets = _buckets(tensors, int(BUCKET_MB * (1 << 20)))
+
+                async def next_bucket(it: Iterator[dict[str, torch.Tensor]] = buckets) -> Any:
+                    return next(it, None)
+
+                t0 = time.perf_counter()
+                await sender.push(next_bucket, v, timeout=600.0)
+                times.append(time.perf_counter() - t0)
+        finally:
+            await sender.close()
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        if child.returncode:
+            raise RuntimeError(f"bench receiver exited with code {child.returncode}")
+        return times
+
+
+async def _receive(spec: dict[str, Any]) -> None:
+    """The child: preallocated weights of the preset's shapes, loaded bucket by bucket."""
+    dst = {name: torch.zeros(shape) for name, shape in spec["shapes"]}
+    receiver = WeightReceiver(
+        "bench receiver",
+        spec["endpoint"],
+        identity("rollout", "bench", 0),
+        stage="bench",
+        replica=0,
+        role="rollout",
+        run_id=spec["run_id"],
+        config_hash="bench",
+    )
+    await receiver.start()
+
+    async def load(bucket: dict[str, torch.Tensor], last: bool, version: int) -> dict[str, float]:
+        for name, t in bucket.items():
+            dst[name].copy_(t)
+        return {}
+
+    try:
+        for _ in range(int(spec["n"])):
+            await receiver.pull(load, timeout=600.0)
+    finally:
+        await receiver.close()
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _copy_s(tensors: list[torch.Tensor], reps: int) -> float:
+    dst = [torch.empty_like(t) for t in tensors]
+    for d in dst:
+        d.zero_()  # first touch outside the timing
+
+    def once() -> None:
+        for d, t in zip(dst, tensors, strict=True):
+            d.copy_(t)
+
+    return _median(once, reps)
+
+
+def _median(fn: Any, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _rate(name: str, seconds: float, nbytes: int) -> dict[str, float]:
+    return {
+        f"{name}_s": round(seconds, 6),
+        f"{name}_gbps": round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
+    }
+
+
+if __name__ == "__main__":  # the receiving process of the "shapes" mode
+    asyncio.run(_receive(json.loads(sys.stdin.read())))
