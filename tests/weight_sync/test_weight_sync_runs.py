@@ -110,3 +110,17 @@ def test_rollout_killed_mid_sync_stops_the_run_naming_it(tmp_path):
     # actor's sender (receiver rollout@gen/0 died during the weight sync).
     assert "gen" in text and ("load_weights" in text or "weight sync" in text), text
     assert _gone(run_id, launcher) == []
+
+
+def test_offpolicy_rollout_keeps_generating_on_the_old_weights(tmp_path):
+    """max_offpolicy_steps = 1: rollout of step s may run before step s-1's weights land;
+    every rollout then runs on a complete version within the bound (s-1 or s), and the
+    reshard/load pair never deadlocks behind generates queued on the rollout stage."""
+    d = disaggregated(tmp_path, steps=3, k=1)
+    d["run"].update(step_batch=8, micro_batch=4)  # two generates per step to queue up
+    res = run_topology(load_topology(d))
+    versions = [m.get("rollout/policy_version", 0.0) for m in res.metrics]
+    assert versions[0] == 0.0  # initial weights (no update yet)
+    for s, v in enumerate(versions[1:], start=1):
+        assert s - 1 <= v <= s, versions
+    assert [m["actor/policy_version"] for m in res.metrics] == [1.0, 2.0, 3.0]
