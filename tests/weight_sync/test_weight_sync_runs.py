@@ -124,3 +124,19 @@ def test_offpolicy_rollout_keeps_generating_on_the_old_weights(tmp_path):
     for s, v in enumerate(versions[1:], start=1):
         assert s - 1 <= v <= s, versions
     assert [m["actor/policy_version"] for m in res.metrics] == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.multigpu
+def test_weights_move_over_nccl_between_two_gpus(tmp_path):
+    """Actor on cuda:0, rollout on cuda:1: the link picks the NCCL tier (a private group
+    built at the first sync) and the rollout's step-1 log-probs are the trained actor's.
+    Not run on the CPU machine this was written on (skipped without two GPUs)."""
+    d = disaggregated(tmp_path)
+    d["stages"]["trainer"]["devices"] = "cuda:0"
+    d["stages"]["gen"]["devices"] = "cuda:1"
+    topo = load_topology(d)
+    res = run_topology(topo, collect=COLLECT, run_id="wsrun-nccl")
+    step1 = {k: v[0] for k, v in res.collected[1].items()}
+    torch.testing.assert_close(step1["rollout_logprobs"], step1["old_logprobs"], atol=1e-3, rtol=0)
+    assert res.metrics[1]["weight_sync/bytes"] == res.metrics[1]["reshard/bytes"]
+    assert shm_names("wsrun-nccl") == []
