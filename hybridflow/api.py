@@ -86,10 +86,16 @@ class DataflowBuilder:
         **options: Any,
     ) -> DataflowBuilder:
         """The policy: its training weights (`actor`) and its sampler (`rollout`, hf or
-        vLLM), always colocated (the hybrid engine reshards in process). `options` are
-        the actor's (lr, grad_clip, ppo_epochs, ...); sampling keys (max_new_tokens,
-        top_p, top_k, temperature) go to the rollout, `temperature` to both."""
-        mapping = _role_mapping(device_mapping, "actor", ("actor", "rollout"))
+        vLLM). By default they share the actor's devices (the hybrid engine: reshard in
+        process); `device_mapping={"actor": ..., "rollout": ...}` with disjoint devices
+        puts the sampler in its own process (weights stream stage to stage after each
+        optimizer step). `options` are the actor's (lr, grad_clip, ppo_epochs, ...);
+        sampling keys (max_new_tokens, top_p, top_k, temperature) go to the rollout,
+        `temperature` to both."""
+        mapping = _role_mapping(device_mapping, "actor", ("actor",), ("rollout",))
+        roll_map = device_mapping.get("rollout") if isinstance(device_mapping, Mapping) else None
+        if roll_map is not None:
+            normalize("rollout", roll_map)
         actor = {k: v for k, v in options.items() if k not in _ROLLOUT_KEYS}
         roll = {k: v for k, v in options.items() if k in _ROLLOUT_KEYS or k in _MODEL_KEYS}
         if "temperature" in options:
@@ -97,7 +103,7 @@ class DataflowBuilder:
         roll.update(rollout or {})
         self._add("actor", "hf", {"model": model_name, **actor}, mapping)
         self._roles["rollout"] = _Role(
-            "vllm" if use_vllm else "hf", {"model": model_name, **roll}, None
+            "vllm" if use_vllm else "hf", {"model": model_name, **roll}, roll_map
         )
         return self
 
@@ -228,7 +234,7 @@ class DataflowBuilder:
             "run": {"steps": steps, **self._run},
             "data": data,
             "stages": stages,
-            "dataflow": [to_dict(op) for op in compiled.dataflow],
+            "dataflow": _with_weight_sync(compiled, stages),
             "liveness": dict(_LIVENESS),
             "metrics": {"backends": backends},
             "log_level": log_level,
@@ -250,9 +256,10 @@ class DataflowBuilder:
         actor_map = self._roles["actor"].mapping or default
         mappings: dict[str, Any] = {}
         for role, spec in self._roles.items():
-            if role == "rollout":
-                continue
             mapping = spec.mapping
+            if role in ("actor", "rollout"):  # the hybrid engine unless mapped apart
+                mappings[role] = actor_map if mapping is None else mapping
+                continue
             if mapping is None:
                 # Hybrid engine by default: the reference shares the actor's devices. On a
                 # CPU-only machine the critic and reward get processes of their own (CPU
@@ -268,21 +275,17 @@ class DataflowBuilder:
             mappings[role] = mapping
         for role, mapping in overrides.items():
             runtime = {"ref": "reference", "rm": "reward"}.get(role, role)
-            if runtime == "rollout":
-                raise ConfigError(
-                    "device_mapping.rollout",
-                    "the rollout always shares the actor's devices (hybrid engine); map the actor",
-                )
             if runtime not in mappings:
                 raise ConfigError(
                     f"device_mapping.{role}", f"no such role here; roles: {', '.join(mappings)}"
                 )
             mappings[runtime] = mapping
+            if runtime == "actor" and "rollout" not in overrides and spec_map_is_default(self):
+                mappings["rollout"] = mapping  # the rollout follows the actor
         slots = {role: normalize(role, m) for role, m in mappings.items()}
-        slots["rollout"] = slots["actor"]
         stages, nodes = {}, {}
         for sp in place(slots, cuda_count=gpu, multi_host=multi_host):
-            name = "engine" if "rollout" in sp.roles else sp.name
+            name = "engine" if {"actor", "rollout"} <= set(sp.roles) else sp.name
             nodes |= {f"{name}/{r}": s.node for r, s in enumerate(sp.slots) if s.node}
             stages[name] = {
                 "replicas": sp.replicas,
@@ -451,28 +454,37 @@ class DataflowBuilder:
 # ---------------------------------------------------------------------------------------
 
 
-def _role_mapping(value: Any, role: str, keys: tuple[str, ...]) -> Any:
-    """`device_mapping` as given to add_*: a mapping value, or a dict keyed by role."""
+def _role_mapping(
+    value: Any, role: str, keys: tuple[str, ...], others: tuple[str, ...] = ()
+) -> Any:
+    """`device_mapping` as given to add_*: a mapping value, or a dict keyed by role
+    (`others`: keys of other roles this call also places, read by the caller)."""
     if isinstance(value, Mapping):
-        bad = [k for k in value if k not in keys]
+        bad = [k for k in value if k not in keys + others]
         if bad:
             raise ConfigError(
                 f"device_mapping.{bad[0]}",
-                f"not a role of this call; use {' or '.join(map(repr, keys))}"
-                + (
-                    " (the rollout always shares the actor's devices)"
-                    if bad[0] == "rollout"
-                    else ""
-                ),
-            )
-        if "rollout" in value and value.get("rollout") != value.get("actor", value["rollout"]):
-            raise ConfigError(
-                "device_mapping.rollout",
-                "the rollout always shares the actor's devices (hybrid engine); map the actor",
+                f"not a role of this call; use {' or '.join(map(repr, keys + others))}",
             )
         found = [value[k] for k in keys if k in value]
         return found[0] if found else None
     return value
+
+
+def spec_map_is_default(builder: DataflowBuilder) -> bool:
+    """The rollout was given no mapping of its own (it follows the actor's)."""
+    return builder._roles["rollout"].mapping is None
+
+
+def _with_weight_sync(compiled: CompiledStep, stages: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The dataflow, plus `rollout.load_weights` after `actor.reshard` when the rollout
+    lives in another stage (pipeline/weight_sync.py streams the weights between them)."""
+    ops = [to_dict(op) for op in compiled.dataflow]
+    where = {role: name for name, cfg in stages.items() for role in cfg["roles"]}
+    apart = where.get("rollout") != where.get("actor")
+    if apart and any(op["role"] == "actor" and op["op"] == "reshard" for op in ops):
+        ops.append({"role": "rollout", "op": "load_weights", "scope": "step", "phase": "reshard"})
+    return ops
 
 
 def _backends(value: str | Sequence[str] | None) -> list[str]:

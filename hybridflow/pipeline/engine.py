@@ -49,6 +49,9 @@ class TrainResult:
     run_dir: str = ""
 
 
+_GENERATE_AND_SCORE = (("rollout", "generate"), ("reward", "score"))
+
+
 class Engine:
     """Runs what a DataflowBuilder declared (see the module docstring)."""
 
@@ -217,7 +220,7 @@ class Engine:
         raw["data"]["options"]["samples_per_prompt"] = 1
         raw["data"]["options"]["shuffle"] = False
         raw["data"]["fields"] = [f for f in raw["data"]["fields"] if f != "group_index"]
-        keep = [op for op in raw["dataflow"] if op["role"] in ("rollout", "reward")]
+        keep = [op for op in raw["dataflow"] if (op["role"], op["op"]) in _GENERATE_AND_SCORE]
         for op in keep:
             op["inputs"] = [i for i in op["inputs"] if i != "group_index"]
         raw["dataflow"] = keep

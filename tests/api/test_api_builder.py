@@ -160,8 +160,6 @@ def test_build_errors_are_clear():
     df.add_actor("tiny")
     with pytest.raises(ConfigError, match="actor was already added"):
         df.add_actor("tiny")
-    with pytest.raises(ConfigError, match=r"device_mapping\.rollout: the rollout always shares"):
-        DataflowBuilder().add_actor("tiny", device_mapping={"actor": "cpu", "rollout": "cpu:1"})
     with pytest.raises(ConfigError, match=r"device_mapping\.critic: not a role of this call"):
         DataflowBuilder().add_reference_model("tiny", device_mapping={"critic": "cpu"})
     with pytest.raises(ConfigError, match=r"package\.module:function"):
@@ -178,6 +176,12 @@ def test_build_errors_are_clear():
     df.define_training_step(["prompt"], ["loss"], grpo)
     ok = df.topology()
     assert ok.stages["engine"].roles["actor"].options["kl_loss_coef"] == 0.1
+    # defaults without GPUs: actor, rollout and reference share a process; the reward
+    # function gets its own
+    assert {s: sorted(c.roles) for s, c in ok.stages.items()} == {
+        "engine": ["actor", "reference", "rollout"],
+        "reward": ["reward"],
+    }
     clash = DataflowBuilder()
     clash.add_actor("tiny", kl_loss_coef=0.5)
     clash.add_reference_model("tiny")
@@ -261,3 +265,27 @@ def test_node_names_need_a_multi_host_launcher(tmp_path):
     assert df.nodes(**engine.settings) == {"engine/0": "node0", "engine/1": "node1"}
     topo = df.topology(**engine.settings)
     assert topo.stages["engine"].replicas == 2 and topo.stages["engine"].devices == "cuda:0"
+
+
+def test_a_rollout_mapped_apart_gets_its_own_process_and_a_weight_sync():
+    df = DataflowBuilder()
+    df.add_actor("tiny", device_mapping={"actor": "cpu", "rollout": "cpu:1"})
+    df.add_reward_function("hybridflow.data.tasks:last_digit_reward", device_mapping="cpu")
+    df.define_training_step(
+        ["prompt"],
+        ["loss"],
+        "r = actor.generate(prompt, n=2)\ns = reward.score(r)\nloss = grpo_loss(s)\nactor.update(loss)",
+    )
+    topo = df.topology()
+    assert {s: sorted(c.roles) for s, c in topo.stages.items()} == {
+        "actor": ["actor", "reward"],
+        "rollout": ["rollout"],
+    }
+    assert [op.label for op in topo.dataflow][-2:] == ["actor.reshard", "rollout.load_weights"]
+    from hybridflow.pipeline.weight_sync import links
+
+    assert len(links(topo)) == 1  # the disaggregated reshard is wired from the topology
+    with pytest.raises(ConfigError, match="share cuda:0 without being identical"):
+        df.topology(
+            device_mapping={"actor": ["cuda:0", "cuda:1"], "rollout": "cuda:0"}, cuda_count=2
+        )
