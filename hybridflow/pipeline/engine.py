@@ -224,6 +224,12 @@ class Engine:
         for op in keep:
             op["inputs"] = [i for i in op["inputs"] if i != "group_index"]
         raw["dataflow"] = keep
+        # Processes that host neither the sampler nor the reward are not started.
+        raw["stages"] = {
+            name: cfg
+            for name, cfg in raw["stages"].items()
+            if {"rollout", "reward"} & set(cfg["roles"])
+        }
         raw["metrics"] = {"backends": ["null"]}
         raw["run_dir"] = str(self.log_dir / "generate")
         topo = load_topology(raw)

@@ -37,14 +37,14 @@ def test_minimal_ppo_generates_scores_and_trains(tmp_path, capsys):
 def test_full_ppo_places_roles_and_reports_kl_and_value_loss(tmp_path, capsys):
     yaml_path = tmp_path / "full_ppo.yaml"
     outputs = load("full_ppo").main(
-        ["--steps", "4", "--log-dir", str(tmp_path / "run"), "--yaml", str(yaml_path)]
+        ["--steps", "3", "--log-dir", str(tmp_path / "run"), "--yaml", str(yaml_path)]
     )
     out = capsys.readouterr().out
     assert "stage engine   device cpu   roles actor, rollout, reference" in out
     assert "roles critic" in out and "roles reward" in out
-    assert len(outputs["kl_div"]) == 4 and all(math.isfinite(k) for k in outputs["kl_div"])
+    assert len(outputs["kl_div"]) == 3 and all(math.isfinite(k) for k in outputs["kl_div"])
     assert outputs["kl_div"][0] == 0.0 and outputs["kl_div"][-1] > 0  # policy leaves the ref
-    assert out.count("critic/vf_loss") == 4
+    assert out.count("critic/vf_loss") == 3
     plan = build_plan(load_topology(yaml_path))  # the written topology is a runnable plan
     labels = [op.label for op in plan.ops]
     assert labels[:4] == [
