@@ -144,6 +144,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Seen on 2x H200 (2026-11-30): this streamed, both-directions case timed out after 60 s,
+# while the one-direction NCCL benchmark (bench transport) ran at 0.98-0.99x raw
+# send/recv. The same code passes over gloo on CPU. Open bug: keep the test failing
+# until the bidirectional NCCL path is fixed.
 @pytest.mark.multigpu
 async def test_nccl_between_two_gpus(endpoint: str, run_id: str, spawn) -> None:
     from hybridflow.transport.nccl import NcclGroup, NcclTier
