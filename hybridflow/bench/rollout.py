@@ -19,7 +19,9 @@ shorter samples. Wall-clock on a shared machine: compare within one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,7 +44,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="hf-bench-rollout-") as run_dir:
         out["hf"] = _measure("hf", settings, prompts, Path(run_dir))
         if vllm_available():
-            out["vllm"] = _measure("vllm", settings, prompts, Path(run_dir))
+            # vLLM logs to stdout; the bench's stdout is its JSON.
+            with contextlib.redirect_stdout(sys.stderr):
+                out["vllm"] = _measure("vllm", settings, prompts, Path(run_dir))
             out["vllm_over_hf"] = round(out["vllm"]["tokens_per_s"] / out["hf"]["tokens_per_s"], 3)
         else:
             out["vllm"] = "not installed"

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -132,3 +133,15 @@ def test_grpo_with_vllm_learns_colocated_and_disaggregated_like_hf(tmp_path):
     assert _rise(colocated) > 0.15, colocated
     assert _rise(hf) > 0.15, hf
     assert abs(_rise(colocated) - _rise(hf)) < 0.2, (colocated, hf)
+
+
+def test_bench_rollout_measures_both_backends(capsys):
+    from hybridflow.cli import main
+
+    argv = ["bench", "rollout", "--json", "--quick", "--set", "prompts=2"]
+    assert main([*argv, "--set", "max_new_tokens=5", "--set", "reps=1"]) == 0
+    out = json.loads(capsys.readouterr().out)  # vLLM's own logging stays off stdout
+    for backend in ("hf", "vllm"):
+        assert out[backend]["tokens_per_call"] == 2 * 5  # same work: EOS does not stop
+        assert out[backend]["tokens_per_s"] > 0
+    assert out["vllm_over_hf"] > 0
