@@ -37,7 +37,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from hybridflow.config.schema import Topology
 from hybridflow.errors import BatchError, ConfigError, PipelineError
@@ -332,8 +332,10 @@ class StageWeightSync:
                 f"role {link.source} ({type(role).__name__}) cannot send weights to "
                 f"{', '.join(link.targets)} in other stages: it has no weight_buckets()"
             )
-        version = int(params["version"]) if params.get("version") is not None else int(role.version)
-        buckets = role.weight_buckets()
+        source = cast(WeightSource, role)
+        given = params.get("version")
+        version = int(given) if given is not None else int(source.version)
+        buckets = source.weight_buckets()
         t_pull = 0.0
 
         async def next_bucket() -> Bucket | None:

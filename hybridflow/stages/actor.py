@@ -22,7 +22,9 @@ Ops (every batch uses the sequence layout of stages/common.py: prompt_ids/prompt
                   These step-level numbers are the authoritative ones.
   reshard         (colocated) push the weights into ctx.colocated[rollout_role] through
                   its `update_weights((name, tensor) iterator, version)`, tensor by tensor,
-                  in place on the device (no host copy); -> {} + the rollout's metrics
+                  in place on the device (no host copy); -> {} + the rollout's metrics.
+                  (Rollout in another stage: the runtime answers this op itself and
+                  streams `weight_buckets()` to it; see pipeline/weight_sync.py.)
   export_weights  (disaggregated) params {bucket: int = -1} -> that bucket's
                   {parameter name: tensor} on CPU (-1: all); metrics weights/num_buckets,
                   weights/bytes. Buckets hold whole parameters, <= weight_bucket_mb each.
@@ -286,8 +288,9 @@ class Actor:
         if target is None or not hasattr(target, "update_weights"):
             raise BatchError(
                 f"actor.reshard: no colocated rollout role {self.opts.rollout_role!r} with "
-                f"update_weights (colocated: {sorted(self.ctx.colocated)}); in a "
-                "disaggregated topology use export_weights -> rollout.load_weights"
+                f"update_weights (colocated: {sorted(self.ctx.colocated)}); with the rollout "
+                "in another stage, add the step op `{role: rollout, op: load_weights, scope: "
+                "step}` (no inputs) to the dataflow: reshard then streams the weights to it"
             )
         v = self.version if version is None else int(version)
         return dict(target.update_weights(self.named_weights(), version=v))
