@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 GOAL_RATIO = 2.0  # last-10% mean reward / first-10% mean reward
@@ -26,6 +27,11 @@ _T0 = time.perf_counter()  # the module is imported when the command starts
 
 
 def cli_demo(args: argparse.Namespace) -> int:
+    # One intra-op thread per process (coordinator and stages inherit it): three busy
+    # processes on 2 cores with OpenMP thread pools each spin against one another (steps
+    # slowed 100x here under load), and a fixed thread count keeps float reductions, so
+    # the seeded run, the same from one machine load to the next.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from rich.console import Console
 
     from hybridflow.config.schema import load_topology
@@ -84,7 +90,7 @@ def _banner(console: object, topo: object) -> None:
     n = data.get("samples_per_prompt", 1)
     console.rule("hybridflow demo: GRPO on CPU")
     console.print(
-        f"task {data.get('source')} (prompt 'last:40719=' -> answer '9'; reward 1.0 = the "
+        f"task {str(data.get('source', '')).removeprefix('task:')} (prompt 'last:40719=' -> answer '9'; reward 1.0 = the "
         "right digit alone, partial credit for a digit / for stopping)\n"
         f"model {rollout.get('model')} (random init, seed {topo.seed}); {topo.run.steps} steps x "
         f"{topo.run.step_batch // n} prompts x {n} samples; processes: "

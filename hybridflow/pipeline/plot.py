@@ -2,7 +2,7 @@
 
 Consumes metric rows (one dict per step, `step` included: what the sinks receive);
 produces `<run_dir>/plot.png` with three panels over steps — reward (mean, with a
-+-std band and min/max when present), response length, and KL to the reference
++-std band when present), response length, and KL to the reference
 (`actor/kl`, or `reward/kl` where the KL is a reward penalty) — and `reward_summary`,
 the first-10% / last-10% mean reward that the console and the demo print.
 
@@ -78,10 +78,6 @@ def plot_run(rows: Sequence[Row], path: Path, title: str = "") -> Path | None:
         lo = [m - s for m, s in zip(mean, std, strict=True)]
         hi = [m + s for m, s in zip(mean, std, strict=True)]
         ax_r.fill_between(x, lo, hi, color="tab:blue", alpha=0.15, label="+-std")
-    for key, style in (("reward/max", ":"), ("reward/min", ":")):
-        kx, kv = _series(rows, key)
-        if kx:
-            ax_r.plot(kx, kv, style, color="tab:blue", alpha=0.5, linewidth=0.8)
     summary = reward_summary(rows)
     if summary is not None:
         ax_r.set_title(f"reward  {summary.first:.2f} -> {summary.last:.2f} (first/last 10%)")
@@ -89,6 +85,7 @@ def plot_run(rows: Sequence[Row], path: Path, title: str = "") -> Path | None:
 
     lx, lv = _series(rows, "response_length/mean")
     ax_l.plot(lx, lv, color="tab:green")
+    ax_l.set_ylim(bottom=0, top=max(lv, default=1.0) * 1.15 or 1.0)
     ax_l.set_title("response length (tokens)")
 
     kl_key = "actor/kl" if any(_finite(r.get("actor/kl")) for r in rows) else "reward/kl"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import mean, preset, read_jsonl
+from e2e_helpers import mean, preset, read_jsonl
 
 from hybridflow.errors import StageError
 from hybridflow.pipeline.runner import run_topology
@@ -113,3 +113,21 @@ def test_a_raising_reward_function_names_itself_and_the_sample(tmp_path):
     assert "stage reward replica 0 failed in reward.score at step 0" in msg, msg
     assert f"reward function {fn} raised on sample" in msg, msg
     assert "(id last_digit-" in msg and "ValueError: cannot score prompt 'last:" in msg, msg
+
+
+def test_demo_command_prints_its_verdict_and_writes_the_summary(tmp_path, capsys):
+    import json
+
+    from hybridflow.cli import main
+
+    code = main(["demo", "--set", f"run_dir={tmp_path}", "--set", "run.steps=4"])
+    record = json.loads((tmp_path / "summary.json").read_text())
+    assert code == (0 if record["learned"] else 1)
+    assert record["steps"] == 4 and record["window_steps"] == 1
+    assert record["reward_first_10pct"] < 0.1  # a random-init policy
+    assert math.isclose(
+        record["ratio"], record["reward_last_10pct"] / record["reward_first_10pct"], rel_tol=1e-2
+    )
+    out = capsys.readouterr().out
+    assert "hybridflow demo: GRPO on CPU" in out and "mean reward, first 10% of RL steps" in out
+    assert str(tmp_path / "plot.png") in out and (tmp_path / "plot.png").exists()
