@@ -32,7 +32,9 @@ actor/kl_coef.
 Adaptive coefficient, deterministically: coef(step s) is the controller's value after
 the updates of steps 0 .. s-1-k (k = run.max_offpolicy_steps). Those steps have fully
 finished before step s may start (the scheduler's start rule), so the value never
-depends on timing. A step's update uses the mean KL over all its samples.
+depends on timing. A step's update uses the mean KL over all its samples. The
+controller lives in the coordinator and is not checkpointed: a run resumed at step r
+starts again from kl_coef (and counts steps from r).
 """
 
 from __future__ import annotations
@@ -210,15 +212,18 @@ class _KLCoefficient:
         kind = "fixed" if p.kl_target is None else "adaptive"
         self.ctl = make_kl_controller(kind, p.kl_coef, target_kl=p.kl_target, horizon=p.kl_horizon)
         self.k, self.n_mb = k, n_mb
-        self.values = [self.ctl.value]
+        self.values = [self.ctl.value]  # values[j]: after steps base .. base+j-1
+        self.base: int | None = None  # the first step of this run (> 0 when resumed)
         self._seen: dict[int, list[float]] = {}  # step -> [kl * rows, rows, micro-batches]
 
     def coef(self, step: int) -> float:
-        j = max(0, step - self.k)
+        if self.base is None:
+            self.base = step
+        j = max(self.base, step - self.k) - self.base
         if j >= len(self.values):
             raise PipelineError(
-                f"advantages: KL coefficient for step {step} needs steps < {j} finished; "
-                f"only {len(self.values) - 1} are"
+                f"advantages: KL coefficient for step {step} needs steps < {self.base + j} "
+                f"finished; only steps < {self.base + len(self.values) - 1} are"
             )
         return self.values[j]
 
@@ -227,7 +232,10 @@ class _KLCoefficient:
         acc[0] += mean_kl * rows
         acc[1] += rows
         acc[2] += 1
-        while (s := len(self.values) - 1) in self._seen and self._seen[s][2] == self.n_mb:
+        assert self.base is not None  # coef() ran first
+        while (s := self.base + len(self.values) - 1) in self._seen and (
+            self._seen[s][2] == self.n_mb
+        ):
             total, n, _ = self._seen.pop(s)
             self.ctl.update(total / n, int(n))
             self.values.append(self.ctl.value)

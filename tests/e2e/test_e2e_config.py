@@ -143,3 +143,17 @@ def test_reward_summary_and_plot(tmp_path):
     path = plot_run(rows, tmp_path / "p.png", "t")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_run([{"step": 0.0}], tmp_path / "none.png") is None
+
+
+def test_adaptive_kl_coefficient_of_a_resumed_run_starts_at_its_first_step():
+    topo = load_topology("ppo", ["run.step_batch=32", "run.micro_batch=32"])  # 1 mb a step
+    op = resolve_driver_op("advantages", "", topology=topo, index=_adv_index(topo))
+    b = _sequences([1.0, 0.0], [2, 2])
+    b["values"] = torch.zeros(2, 2)
+    b["rollout_logprobs"] = torch.full((2, 2), -1.0)
+    b["ref_logprobs"] = torch.full((2, 2), -1.0)  # KL 0: below target, coef shrinks
+    coefs = [
+        op(dict(b), {"step": s, "mb_id": 0, "policy_version": s})[1]["actor/kl_coef"]
+        for s in (7, 8)
+    ]
+    assert coefs[0] == 0.05 and math.isclose(coefs[1], 0.05 * (1 - 0.2 * 2 / 10000))
