@@ -33,8 +33,8 @@ Adaptive coefficient, deterministically: coef(step s) is the controller's value 
 the updates of steps 0 .. s-1-k (k = run.max_offpolicy_steps). Those steps have fully
 finished before step s may start (the scheduler's start rule), so the value never
 depends on timing. A step's update uses the mean KL over all its samples. The
-controller lives in the coordinator and is not checkpointed: a run resumed at step r
-starts again from kl_coef (and counts steps from r).
+controller lives in the coordinator; checkpoints carry its schedule (`state_dict`), so a
+run resumed at step r continues with the coefficient an unbroken run would have used.
 """
 
 from __future__ import annotations
@@ -125,6 +125,19 @@ class Advantages:
         self.kl = (
             _KLCoefficient(self.p, self.k, self.n_mb) if self.p.kl_penalty is not None else None
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The KL schedule so far (checkpointed by the coordinator between steps)."""
+        if self.kl is None or self.kl.base is None:
+            return {}
+        return {"kl_values": list(self.kl.values), "kl_base": self.kl.base}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.kl is None or not state:
+            return
+        values = [float(v) for v in state["kl_values"]]
+        self.kl.values, self.kl.base = values, int(state["kl_base"])
+        self.kl.ctl.value = values[-1]
 
     def _check_io(self, inputs: tuple[str, ...], outputs: tuple[str, ...], path: str) -> None:
         need = ["rewards", "response_mask"]

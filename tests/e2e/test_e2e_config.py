@@ -157,3 +157,28 @@ def test_adaptive_kl_coefficient_of_a_resumed_run_starts_at_its_first_step():
         for s in (7, 8)
     ]
     assert coefs[0] == 0.05 and math.isclose(coefs[1], 0.05 * (1 - 0.2 * 2 / 10000))
+
+
+def test_adaptive_kl_schedule_survives_a_checkpoint_round_trip(tmp_path):
+    from hybridflow.pipeline.checkpoint import load_drivers, save_drivers
+
+    topo = load_topology("ppo", ["run.step_batch=32", "run.micro_batch=32"])  # 1 mb a step
+    index = _adv_index(topo)
+    b = _sequences([1.0, 0.0], [2, 2])
+    b["values"] = torch.zeros(2, 2)
+    b["rollout_logprobs"] = torch.full((2, 2), -1.0)
+    b["ref_logprobs"] = torch.full((2, 2), -1.0)  # KL 0: below target, coef shrinks
+
+    def coef(op, step):
+        return op(dict(b), {"step": step, "mb_id": 0, "policy_version": step})[1]["actor/kl_coef"]
+
+    unbroken = resolve_driver_op("advantages", "", topology=topo, index=index)
+    want = [coef(unbroken, s) for s in range(4)]
+    first = resolve_driver_op("advantages", "", topology=topo, index=index)
+    for s in range(2):
+        coef(first, s)
+    save_drivers({index: first}, tmp_path)
+    resumed = resolve_driver_op("advantages", "", topology=topo, index=index)
+    load_drivers({index: resumed}, tmp_path)
+    got = [coef(resumed, s) for s in (2, 3)]
+    assert got == want[2:] and want[3] < want[2] < want[0]
