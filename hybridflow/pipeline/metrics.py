@@ -77,16 +77,25 @@ def check_sinks(names: tuple[str, ...] | list[str]) -> None:
 
 
 def make_sinks(
-    names: tuple[str, ...] | list[str], run_dir: Path, topology: Topology | None = None
+    names: tuple[str, ...] | list[str],
+    run_dir: Path,
+    topology: Topology | None = None,
+    start_step: int = 0,
 ) -> list[MetricsSink]:
-    """Build the named sinks, in order, except that CLOSE_LAST sinks go to the end."""
+    """Build the named sinks, in order, except that CLOSE_LAST sinks go to the end.
+    Sinks that take `start_step` continue a resumed run's files instead of starting anew."""
     check_sinks(names)
     sinks = []
     for name in names:
         module, cls_name = SINKS[name].split(":")
         cls = getattr(importlib.import_module(module), cls_name)
-        takes_topology = "topology" in inspect.signature(cls).parameters
-        sinks.append(cls(run_dir, topology=topology) if takes_topology else cls(run_dir))
+        accepts = inspect.signature(cls).parameters
+        kwargs: dict[str, Any] = {}
+        if "topology" in accepts:
+            kwargs["topology"] = topology
+        if "start_step" in accepts:
+            kwargs["start_step"] = start_step
+        sinks.append(cls(run_dir, **kwargs))
     return sorted(sinks, key=lambda s: bool(getattr(s, "CLOSE_LAST", False)))
 
 
@@ -108,12 +117,26 @@ def _finite(v: Any) -> bool:
 
 
 class JsonlSink:
-    """`<run_dir>/metrics.jsonl`, one JSON object per step with `step` included."""
+    """`<run_dir>/metrics.jsonl`, one JSON object per step with `step` included.
 
-    def __init__(self, run_dir: Path) -> None:
+    A fresh run (start_step 0) overwrites the file; a run resumed at step r keeps the rows
+    of steps < r and continues after them, so the file reads as one unbroken run."""
+
+    def __init__(self, run_dir: Path, start_step: int = 0) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        kept: list[str] = []
+        if start_step > 0 and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a crash: the resumed run rewrites that step
+                step = row.get("step") if isinstance(row, dict) else None
+                if isinstance(step, int) and step < start_step:
+                    kept.append(line)
         self._f = self.path.open("w")
+        self._f.writelines(line + "\n" for line in kept)
 
     def write(self, step: int, metrics: StepMetrics) -> None:
         # NaN/inf are not JSON; write them as null rather than emitting invalid lines.

@@ -87,7 +87,7 @@ def run_topology(
     run_dir = run_dir_of(topo)
     launcher = launcher or LocalLauncher()
     ipc_dir = _ipc_dir(topo, run_id)
-    all_sinks = make_sinks(topo.metrics.backends, run_dir, topo) + list(sinks)
+    all_sinks = make_sinks(topo.metrics.backends, run_dir, topo, start_step) + list(sinks)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             terminated: list[bool] = []

@@ -5,6 +5,7 @@ derived metrics / plot / summary behave."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -182,3 +183,28 @@ def test_adaptive_kl_schedule_survives_a_checkpoint_round_trip(tmp_path):
     load_drivers({index: resumed}, tmp_path)
     got = [coef(resumed, s) for s in (2, 3)]
     assert got == want[2:] and want[3] < want[2] < want[0]
+
+
+def test_jsonl_sink_of_a_resumed_run_continues_the_file(tmp_path):
+    from hybridflow.pipeline.metrics import JsonlSink
+
+    first = JsonlSink(tmp_path)
+    for step in range(3):
+        first.write(step, {"reward/mean": float(step)})
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "rew')  # a line cut by a crash during step 3
+    resumed = JsonlSink(tmp_path, start_step=2)  # the checkpoint was after step 1
+    for step in (2, 3):
+        resumed.write(step, {"reward/mean": 10.0 + step})
+    resumed.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward/mean"]) for r in rows] == [
+        (0, 0.0),
+        (1, 1.0),
+        (2, 12.0),
+        (3, 13.0),
+    ]
+    fresh = JsonlSink(tmp_path)  # a new run starts the file anew
+    fresh.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
