@@ -44,7 +44,7 @@ _ADV_PARAMS = {  # the params the `advantages` op gets per estimator, with defau
     "reinforce_pp_baseline": {"gamma": 1.0},
 }
 PPO_KL = {"kl_coef": 0.05, "kl_target": 0.1, "kl_horizon": 10000}  # penalty in the reward
-GRPO_KL_COEF = 0.05  # KL as an actor loss term
+GRPO_KL_COEF = 0.01  # KL as an actor loss term; the `grpo` preset uses the same value
 DEFAULT_GROUP_SIZE = 8  # samples per prompt for group estimators when generate says no n
 _ROLLOUT_OPTIONS = ("temperature", "top_p", "top_k", "max_new_tokens")
 _ACTOR_LOSS_OPTIONS = {

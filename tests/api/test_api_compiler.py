@@ -32,7 +32,7 @@ reward_score = reward.score(prompt, response)
 ref_logprob = ref.get_logprob(prompt, response)
 actor_logprob = actor.get_logprob(prompt, response)
 kl_div = kl(actor_logprob, ref_logprob, kind="k3")
-loss = grpo_loss(reward_score, kl_div, kl_coef=0.05)
+loss = grpo_loss(reward_score, kl_div, kl_coef=0.01)
 actor.update(loss)
 """
 
