@@ -24,7 +24,7 @@ $(VENV)/.dev: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m hybridflow demo
 
-test: test-unit test-vllm
+test: lint test-unit test-vllm
 
 test-unit: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider
