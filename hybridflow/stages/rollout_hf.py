@@ -97,7 +97,23 @@ class HFRolloutOptions(ModelOptions):
 _SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "n")
 
 
-class HFRollout:
+class RolloutState:
+    """Checkpoint state common to the rollout backends: the number of generate calls and
+    the policy version loaded. Weights belong to the actor; a resumed run reshards before
+    its first rollout, so they are not part of it."""
+
+    calls: int
+    policy_version: int | None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls, "policy_version": self.policy_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = int(state.get("calls", 0))
+        self.policy_version = state.get("policy_version")
+
+
+class HFRollout(RolloutState):
     """Registered as ("rollout", "hf")."""
 
     def __init__(self) -> None:
@@ -148,14 +164,6 @@ class HFRollout:
     def close(self) -> None:
         self.model = None
         self._params = {}
-
-    def state_dict(self) -> dict[str, Any]:
-        # Weights belong to the actor; a resumed run reshards before its first rollout.
-        return {"calls": self.calls, "policy_version": self.policy_version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.calls = int(state.get("calls", 0))
-        self.policy_version = state.get("policy_version")
 
     # -- ops -----------------------------------------------------------------------------
     def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:

@@ -69,7 +69,7 @@ from hybridflow.stages.common import (
     options_path,
     require,
 )
-from hybridflow.stages.rollout_hf import HFRolloutOptions
+from hybridflow.stages.rollout_hf import HFRolloutOptions, RolloutState
 
 
 @dataclass
@@ -109,7 +109,7 @@ _SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "n")
 _CPU_KV_CACHE_BYTES = 256 << 20
 
 
-class VLLMRollout:
+class VLLMRollout(RolloutState):
     """Rollout role backed by a vLLM engine in this process. Registered as ("rollout", "vllm")."""
 
     def __init__(self) -> None:
@@ -181,14 +181,6 @@ class VLLMRollout:
             vllm_compat.shutdown(self.llm)
         self.llm = None
         self._update = None
-
-    def state_dict(self) -> dict[str, Any]:
-        # Weights belong to the actor; a resumed run reshards before its first rollout.
-        return {"calls": self.calls, "policy_version": self.policy_version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.calls = int(state.get("calls", 0))
-        self.policy_version = state.get("policy_version")
 
     # ------------------------------------------------------------------ ops
 
