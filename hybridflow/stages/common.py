@@ -34,7 +34,9 @@ _CHUNK = 1024  # positions per float32 chunk in no-grad log-prob / entropy
 
 
 def options_path(ctx: StageContext) -> str:
-    return f"stages.{ctx.stage}.options"
+    """Dotted config key of this role's `options:` block, for error messages."""
+    role = ctx.world.get("role")
+    return f"stages.{ctx.stage}.roles.{role}.options" if role else f"stages.{ctx.stage}.options"
 
 
 def mix_seed(*parts: Any) -> int:

@@ -46,6 +46,7 @@ from hybridflow.errors import BatchError
 from hybridflow.reward.client import ClientConfig, RewardClient, ScoreResult, make_client
 from hybridflow.reward.schema import Item
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
+from hybridflow.stages.common import options_path
 
 _NOT_METADATA = (
     "prompt_ids",
@@ -82,7 +83,7 @@ class _ServiceReward:
         self._tokenizer = None
 
     def setup(self, ctx: StageContext) -> None:
-        path = f"stages.{ctx.stage}.options"
+        path = options_path(ctx)
         opts = from_dict(self.options_cls, ctx.options, path)
         address = opts.url if self.protocol == "http" else opts.endpoint
         if opts.tokenizer:
