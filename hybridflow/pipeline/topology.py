@@ -18,10 +18,11 @@ only they may run ahead of the previous step's reshard (`max_offpolicy_steps`).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.config.loader import config_hash
+from hybridflow.config.loader import config_hash, from_dict
 from hybridflow.config.schema import DRIVER_ROLE, OpConfig, Topology
 from hybridflow.errors import ConfigError
 
@@ -157,13 +158,24 @@ def _check_backends(topo: Topology) -> None:
     for stage, cfg in topo.stages.items():
         for role, rc in cfg.roles.items():
             kind = rc.kind or role
-            if (kind, rc.backend) in BACKENDS or ("*", rc.backend) in BACKENDS:
-                continue
-            known = sorted({b for (k, b) in BACKENDS if k in (kind, "*")})
-            raise ConfigError(
-                f"stages.{stage}.roles.{role}.backend",
-                f"unknown backend {rc.backend!r} for role kind {kind!r}; known: {', '.join(known)}",
-            )
+            target = BACKENDS.get((kind, rc.backend)) or BACKENDS.get(("*", rc.backend))
+            if target is None:
+                known = sorted({b for (k, b) in BACKENDS if k in (kind, "*")})
+                raise ConfigError(
+                    f"stages.{stage}.roles.{role}.backend",
+                    f"unknown backend {rc.backend!r} for role kind {kind!r}; known: {', '.join(known)}",
+                )
+            _check_role_options(target, rc.options, f"stages.{stage}.roles.{role}.options")
+
+
+def _check_role_options(target: str, options: dict[str, Any], path: str) -> None:
+    """Parse a role's `options:` with its backend's `options_cls` (when it declares one), so
+    a typo fails at validate/plan time rather than during stage setup. Imports the backend
+    module only (cheap: models and engines are built in `setup`, in the stage process)."""
+    module, cls_name = target.split(":")
+    options_cls = getattr(getattr(importlib.import_module(module), cls_name), "options_cls", None)
+    if options_cls is not None:
+        from_dict(options_cls, dict(options), path)
 
 
 def _check_data(topo: Topology) -> None:

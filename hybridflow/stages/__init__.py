@@ -1,7 +1,8 @@
 """Role implementations (one module per role) and the backend registry.
 
-The registry maps (role kind, backend) to a class path; classes are imported only in the
-stage process that needs them, so the coordinator never imports transformers or vLLM.
+The registry maps (role kind, backend) to a class path. The coordinator imports a backend's
+module only to check its `options_cls` at plan time; models and engines (transformers,
+vLLM) are built in `setup`, in the stage process that needs them.
 """
 
 from hybridflow.stages.base import BACKENDS, Role, StageContext, create_role, register

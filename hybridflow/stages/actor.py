@@ -92,6 +92,8 @@ class ActorOptions(ModelOptions, TrainOptions):
 class Actor:
     """Registered as ("actor", "hf")."""
 
+    options_cls = ActorOptions  # checked at plan time too (pipeline/topology.py)
+
     def __init__(self) -> None:
         self.opts: ActorOptions | None = None
         self.model: Any = None

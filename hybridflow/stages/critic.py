@@ -58,6 +58,8 @@ class CriticOptions(ModelOptions, TrainOptions):
 class Critic:
     """Registered as ("critic", "hf")."""
 
+    options_cls = CriticOptions  # checked at plan time too (pipeline/topology.py)
+
     def __init__(self) -> None:
         self.opts: CriticOptions | None = None
         self.model: Any = None

@@ -41,6 +41,8 @@ class ReferenceOptions(ModelOptions):
 class Reference:
     """Registered as ("reference", "hf")."""
 
+    options_cls = ReferenceOptions  # checked at plan time too (pipeline/topology.py)
+
     def __init__(self) -> None:
         self.opts: ReferenceOptions | None = None
         self.model: Any = None

@@ -116,6 +116,8 @@ class RolloutState:
 class HFRollout(RolloutState):
     """Registered as ("rollout", "hf")."""
 
+    options_cls = HFRolloutOptions  # checked at plan time too (pipeline/topology.py)
+
     def __init__(self) -> None:
         self.opts: HFRolloutOptions | None = None
         self.model: Any = None

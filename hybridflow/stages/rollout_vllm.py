@@ -112,6 +112,8 @@ _CPU_KV_CACHE_BYTES = 256 << 20
 class VLLMRollout(RolloutState):
     """Rollout role backed by a vLLM engine in this process. Registered as ("rollout", "vllm")."""
 
+    options_cls = VLLMRolloutOptions  # checked at plan time too (pipeline/topology.py)
+
     def __init__(self) -> None:
         self.opts: VLLMRolloutOptions | None = None
         self.llm: Any = None

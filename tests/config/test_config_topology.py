@@ -251,3 +251,21 @@ def test_round_trip_and_hash_are_stable():
     assert again == topo and config_hash(again) == config_hash(topo)
     other = load_topology(edit("run.steps", 3))
     assert config_hash(other) != config_hash(topo)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"model": "tiny", "lrr": 1.0},
+            "stages.engine.roles.actor.options.lrr: unknown key; did you mean 'lr'?",
+        ),
+        ({"model": "tiny", "lr": "fast"}, "stages.engine.roles.actor.options.lr: expected a number"),
+        ({}, "stages.engine.roles.actor.options.model: is required"),
+    ],
+)
+def test_role_options_are_checked_before_any_process_starts(options, message):
+    topo = load_topology("grpo", [f"stages.engine.roles.actor.options={options!r}"])
+    with pytest.raises(ConfigError) as info:
+        build_plan(topo)
+    assert str(info.value).startswith(message)

@@ -89,6 +89,8 @@ def import_function(target: str, path: str = "function") -> RewardFn:
 class FunctionReward:
     """Registered as ("reward", "function")."""
 
+    options_cls = FunctionRewardOptions  # checked at plan time too (pipeline/topology.py)
+
     def __init__(self) -> None:
         self.fn: RewardFn | None = None
         self.name = ""

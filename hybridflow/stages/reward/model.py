@@ -42,6 +42,8 @@ class ModelRewardOptions(ModelOptions):
 class ModelReward:
     """Registered as ("reward", "model")."""
 
+    options_cls = ModelRewardOptions  # checked at plan time too (pipeline/topology.py)
+
     def __init__(self) -> None:
         self.opts: ModelRewardOptions | None = None
         self.model: Any = None
