@@ -260,7 +260,10 @@ def test_round_trip_and_hash_are_stable():
             {"model": "tiny", "lrr": 1.0},
             "stages.engine.roles.actor.options.lrr: unknown key; did you mean 'lr'?",
         ),
-        ({"model": "tiny", "lr": "fast"}, "stages.engine.roles.actor.options.lr: expected a number"),
+        (
+            {"model": "tiny", "lr": "fast"},
+            "stages.engine.roles.actor.options.lr: expected a number",
+        ),
         ({}, "stages.engine.roles.actor.options.model: is required"),
     ],
 )
