@@ -98,10 +98,13 @@ _SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "n")
 
 
 class RolloutState:
-    """Checkpoint state common to the rollout backends: the number of generate calls and
-    the policy version loaded. Weights belong to the actor; a resumed run reshards before
-    its first rollout, so they are not part of it."""
+    """What the rollout backends (hf, vllm) share: per-call sampling overrides, the
+    generate metrics, and the checkpoint state (the number of generate calls and the
+    policy version loaded). Weights belong to the actor; a resumed run reshards before its
+    first rollout, so they are not part of it."""
 
+    backend_name: str
+    opts: Any  # the backend's options (an HFRolloutOptions or subclass), set in setup
     calls: int
     policy_version: int | None
 
@@ -112,9 +115,33 @@ class RolloutState:
         self.calls = int(state.get("calls", 0))
         self.policy_version = state.get("policy_version")
 
+    def _call_options(self, params: Params) -> Any:
+        """The options of one generate call: the backend's, with sampling overrides."""
+        assert self.opts is not None
+        given = {k: params[k] for k in _SAMPLING_OVERRIDES if params.get(k) is not None}
+        merged = replace(self.opts, **given)
+        try:
+            merged.validate("params")
+        except ConfigError as exc:
+            raise BatchError(f"{self.backend_name} rollout: bad generate params: {exc}") from exc
+        return merged
+
+    def _generate_metrics(self, gen_s: float, tokens: int, rows: int) -> Metrics:
+        metrics = {
+            "rollout/gen_s": gen_s,
+            "rollout/tokens": float(tokens),
+            "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
+            "rollout/response_len_mean": tokens / rows,
+        }
+        if self.policy_version is not None:
+            metrics["rollout/policy_version"] = float(self.policy_version)
+        return metrics
+
 
 class HFRollout(RolloutState):
     """Registered as ("rollout", "hf")."""
+
+    backend_name = "hf"
 
     options_cls = HFRolloutOptions  # checked at plan time too (pipeline/topology.py)
 
@@ -228,25 +255,7 @@ class HFRollout(RolloutState):
             "rollout_logprobs": logprobs,
             "group_index": torch.arange(prompt_ids.shape[0]).repeat_interleave(opts.n),
         }
-        metrics = {
-            "rollout/gen_s": gen_s,
-            "rollout/tokens": float(tokens),
-            "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
-            "rollout/response_len_mean": tokens / ids.shape[0],
-        }
-        if self.policy_version is not None:
-            metrics["rollout/policy_version"] = float(self.policy_version)
-        return out, metrics
-
-    def _call_options(self, params: Params) -> HFRolloutOptions:
-        assert self.opts is not None
-        given = {k: params[k] for k in _SAMPLING_OVERRIDES if params.get(k) is not None}
-        merged = replace(self.opts, **given)
-        try:
-            merged.validate("params")
-        except ConfigError as exc:
-            raise BatchError(f"hf rollout: bad generate params: {exc}") from exc
-        return merged
+        return out, self._generate_metrics(gen_s, tokens, ids.shape[0])
 
     def _check_prompts(
         self, ids: torch.Tensor, mask: torch.Tensor, opts: HFRolloutOptions, where: str

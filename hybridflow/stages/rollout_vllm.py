@@ -105,7 +105,6 @@ class VLLMRolloutOptions(HFRolloutOptions):
 
 
 # Per-call overrides accepted in `generate`'s params (validation rollouts: greedy, n=1).
-_SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "n")
 _CPU_KV_CACHE_BYTES = 256 << 20
 
 
@@ -113,6 +112,7 @@ class VLLMRollout(RolloutState):
     """Rollout role backed by a vLLM engine in this process. Registered as ("rollout", "vllm")."""
 
     options_cls = VLLMRolloutOptions  # checked at plan time too (pipeline/topology.py)
+    backend_name = "vllm"
 
     def __init__(self) -> None:
         self.opts: VLLMRolloutOptions | None = None
@@ -236,25 +236,7 @@ class VLLMRollout(RolloutState):
         result["prompt_ids"] = prompt_ids.repeat_interleave(opts.n, dim=0)
         result["prompt_mask"] = prompt_mask.to(torch.int64).repeat_interleave(opts.n, dim=0)
         tokens = int(result["response_mask"].sum())
-        metrics = {
-            "rollout/gen_s": gen_s,
-            "rollout/tokens": float(tokens),
-            "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
-            "rollout/response_len_mean": tokens / result["response_mask"].shape[0],
-        }
-        if self.policy_version is not None:
-            metrics["rollout/policy_version"] = float(self.policy_version)
-        return result, metrics
-
-    def _call_options(self, params: Params) -> VLLMRolloutOptions:
-        assert self.opts is not None
-        given = {k: params[k] for k in _SAMPLING_OVERRIDES if params.get(k) is not None}
-        merged = replace(self.opts, **given)
-        try:
-            merged.validate("params")
-        except ConfigError as exc:
-            raise BatchError(f"vllm rollout: bad generate params: {exc}") from exc
-        return merged
+        return result, self._generate_metrics(gen_s, tokens, result["response_mask"].shape[0])
 
     def _sampling_params(self, opts: VLLMRolloutOptions, seed: int) -> Any:
         from vllm import SamplingParams
