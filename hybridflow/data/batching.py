@@ -107,3 +107,21 @@ def collate_sft(examples: Sequence[dict[str, str]], tokenizer: Any) -> dict[str,
         "response_ids": r_ids,
         "response_mask": r_mask,
     }
+
+
+def row_metadata(
+    batch: dict[str, torch.Tensor], b: int, exclude: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Per sample: its decoded `metadata_json` record (or {}) plus the value of every other
+    [B]-shaped tensor of the batch not named in `exclude`. Raises ValueError."""
+    if "metadata_json" in batch:
+        rows = decode_metadata(batch["metadata_json"])
+        if len(rows) != b:
+            raise ValueError(f"metadata_json has {len(rows)} rows, B = {b}")
+    else:
+        rows = [{} for _ in range(b)]
+    for key, t in batch.items():
+        if key not in exclude and t.dim() == 1 and t.shape[0] == b:
+            for row, value in zip(rows, t.tolist(), strict=True):
+                row[key] = value
+    return rows

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from hybridflow.config.loader import from_dict
-from hybridflow.data.batching import decode_metadata, unpad
+from hybridflow.data.batching import row_metadata, unpad
 from hybridflow.errors import BatchError, ConfigError, RewardFunctionError
 from hybridflow.models.loader import load_tokenizer
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
@@ -128,19 +128,10 @@ class FunctionReward:
                     f"must be [B, T] with B = {b}"
                 )
             ids[key] = unpad(t, mask)
-        if "metadata_json" in batch:
-            try:
-                metadata = decode_metadata(batch["metadata_json"])
-            except ValueError as exc:
-                raise BatchError(f"{where}: {exc}") from exc
-            if len(metadata) != b:
-                raise BatchError(f"{where}: metadata_json has {len(metadata)} rows, B = {b}")
-        else:
-            metadata = [{} for _ in range(b)]
-        for key, t in batch.items():
-            if key not in _TEXT_FIELDS and t.dim() == 1 and t.shape[0] == b:
-                for row, value in zip(metadata, t.tolist(), strict=True):
-                    row[key] = value
+        try:
+            metadata = row_metadata(batch, b, exclude=_TEXT_FIELDS)
+        except ValueError as exc:
+            raise BatchError(f"{where}: {exc}") from exc
         decode = self.tokenizer.batch_decode
         prompts = decode(ids["prompt"], skip_special_tokens=True)
         responses = decode(ids["response"], skip_special_tokens=True)

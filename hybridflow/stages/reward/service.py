@@ -42,6 +42,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from hybridflow.config.loader import from_dict
+from hybridflow.data.batching import row_metadata
 from hybridflow.errors import BatchError
 from hybridflow.reward.client import ClientConfig, RewardClient, ScoreResult, make_client
 from hybridflow.reward.schema import Item
@@ -243,19 +244,7 @@ def batch_to_items(batch: Batch, *, step: int, mb_id: int, tokenizer=None) -> li
 
 def _metadata(batch: Batch, b: int) -> list[dict[str, Any]]:
     """Per row: the decoded `metadata_json` record plus every other [B]-shaped tensor."""
-    if "metadata_json" in batch:
-        from hybridflow.data.batching import decode_metadata
-
-        try:
-            rows = decode_metadata(batch["metadata_json"])
-        except ValueError as exc:
-            raise BatchError(f"reward service backend: {exc}") from exc
-        if len(rows) != b:
-            raise BatchError(f"metadata_json has {len(rows)} rows, the batch {b}")
-    else:
-        rows = [{} for _ in range(b)]
-    for key, t in batch.items():
-        if key not in _NOT_METADATA and t.dim() == 1 and t.shape[0] == b:
-            for row, value in zip(rows, t.tolist(), strict=True):
-                row[key] = value
-    return rows
+    try:
+        return row_metadata(batch, b, exclude=_NOT_METADATA)
+    except ValueError as exc:
+        raise BatchError(f"reward service backend: {exc}") from exc
