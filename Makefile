@@ -37,6 +37,7 @@ test-vllm:
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check hybridflow tests bench examples
 	$(VENV)/bin/ruff format --check hybridflow tests bench examples
+	$(VENV)/bin/lint-imports
 
 bench: $(VENV)/.installed
 	$(PY) -m hybridflow bench transport --json

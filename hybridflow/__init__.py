@@ -6,14 +6,14 @@ Heavy modules (torch, transformers) are imported lazily so `hybridflow --help` i
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from hybridflow.version import __version__
 
 __all__ = ["DataflowBuilder", "Engine", "__version__"]
 
 
 def __getattr__(name: str):  # PEP 562: lazy public API
     if name in ("DataflowBuilder", "Engine"):
-        from hybridflow import api
+        from hybridflow.pipeline.api import builder
 
-        return getattr(api, name)
+        return getattr(builder, name)
     raise AttributeError(f"module 'hybridflow' has no attribute {name!r}")

@@ -75,8 +75,8 @@ def _call(target: str, args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "run": "hybridflow.pipeline.runner:cli_run",
-    "validate": "hybridflow.pipeline.runner:cli_validate",
+    "run": "hybridflow.pipeline.runtime.runner:cli_run",
+    "validate": "hybridflow.pipeline.runtime.runner:cli_validate",
     "reward-serve": "hybridflow.reward.server:cli_serve",
     "demo": "hybridflow.demo:cli_demo",
 }

@@ -35,8 +35,8 @@ def cli_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from hybridflow.config.schema import load_topology
-    from hybridflow.pipeline.plot import PLOT_FILE, reward_summary
-    from hybridflow.pipeline.runner import run_dir_of, run_topology
+    from hybridflow.pipeline.observe.plot import PLOT_FILE, reward_summary
+    from hybridflow.pipeline.runtime.runner import run_dir_of, run_topology
 
     console = Console(highlight=False, soft_wrap=True)
     topo = load_topology("demo", list(args.overrides or []))

@@ -29,9 +29,9 @@ from typing import Any
 
 from hybridflow.config.loader import from_dict, to_dict
 from hybridflow.config.schema import Topology, load_topology
-from hybridflow.pipeline.coordinator import RunResult
-from hybridflow.pipeline.runner import run_topology
-from hybridflow.pipeline.topology import Plan, build_plan
+from hybridflow.pipeline.compiler.plan import Plan, build_plan
+from hybridflow.pipeline.runtime.coordinator import RunResult
+from hybridflow.pipeline.runtime.runner import run_topology
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

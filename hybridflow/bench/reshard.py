@@ -49,12 +49,12 @@ import torch
 from hybridflow.config.schema import load_topology
 from hybridflow.models.presets import preset_config
 from hybridflow.models.tokenizer import builtin_tokenizer
-from hybridflow.pipeline.runner import run_topology
-from hybridflow.pipeline.weight_stream import WeightReceiver, WeightSender
-from hybridflow.pipeline.weight_sync import identity
+from hybridflow.pipeline.host.weight_stream import WeightReceiver, WeightSender
+from hybridflow.pipeline.host.weight_sync import identity
+from hybridflow.pipeline.runtime.runner import run_topology
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.base import StageContext
-from hybridflow.stages.rollout_hf import HFRollout
+from hybridflow.stages.rollout.hf import HFRollout
 
 BUCKET_MB = 64.0  # the actor's default weight_bucket_mb
 THREADS = 1  # torch threads in every process of the bench (module docstring)

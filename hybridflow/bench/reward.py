@@ -220,7 +220,7 @@ async def _burst(protocol: str, address: str, n: int, concurrency: int) -> float
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from hybridflow.config.schema import load_topology
-    from hybridflow.pipeline.runner import run_topology
+    from hybridflow.pipeline.runtime.runner import run_topology
 
     quick = bool(getattr(args, "quick", False))
     overrides = list(getattr(args, "overrides", []) or [])

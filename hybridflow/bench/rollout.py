@@ -31,7 +31,7 @@ import torch
 
 from hybridflow.config.schema import load_topology
 from hybridflow.stages.base import StageContext
-from hybridflow.stages.vllm_compat import vllm_available
+from hybridflow.stages.rollout.vllm_compat import vllm_available
 
 SEED = 0
 
@@ -78,7 +78,7 @@ def _settings(args: argparse.Namespace, quick: bool) -> dict[str, Any]:
 def _prompts(count: int, length: int, model: str) -> dict[str, torch.Tensor]:
     """`count` random prompts of `length` tokens (the synthetic data source, seeded)."""
     from hybridflow.models.tokenizer import builtin_tokenizer
-    from hybridflow.pipeline.data_source import create_source
+    from hybridflow.pipeline.sources.registry import create_source
 
     vocab = len(builtin_tokenizer())
     cfg = load_topology(

@@ -13,7 +13,7 @@ A topology file (YAML) names
 Consumes plain data (via `loader.from_dict`); produces a validated `Topology`.
 Invariant: a `Topology` that exists passed every check here; checks that need the
 backend/data-source/driver registries (which live in stages/ and pipeline/) run in
-`hybridflow.pipeline.topology`, because config imports nothing from them.
+`hybridflow.pipeline.compiler.plan`, because config imports nothing from them.
 Every error is a `ConfigError` whose path is the dotted key and whose text says the fix.
 """
 
@@ -95,7 +95,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """Where prompts come from. `source` names a registered data source (see
-    hybridflow.pipeline.data_source); `fields` are the per-sample values it provides,
+    hybridflow.pipeline.sources.registry); `fields` are the per-sample values it provides,
     which the dataflow may consume."""
 
     source: str = "synthetic"
@@ -248,7 +248,7 @@ class TransportConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    # Names of registered sinks (hybridflow.pipeline.metrics): jsonl, memory, ...
+    # Names of registered sinks (hybridflow.pipeline.observe.metrics): jsonl, memory, ...
     backends: tuple[str, ...] = ("jsonl",)
 
 

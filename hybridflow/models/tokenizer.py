@@ -32,7 +32,7 @@ _ENGLISH = (
 
 
 def _corpus() -> list[str]:
-    # Imported here: data.tasks imports nothing from models, so there is no cycle.
+    # Imported here, not at the top: the corpus is needed only when a tokenizer is trained.
     from hybridflow.data.tasks import TASKS
 
     lines = [_ENGLISH] * 8

@@ -3,7 +3,7 @@
     config (Topology) --build_plan--> Plan --run_topology--> LocalLauncher (one process
     per stage replica) + Coordinator (asyncio: Scheduler rules, liveness, metrics sinks)
 
-Public entry points (imported lazily: `python -m hybridflow.pipeline.launcher`, which every
+Public entry points (imported lazily: `python -m hybridflow.pipeline.runtime.launcher`, which every
 stage process runs, must not import the whole runtime first):
   run_topology, RunResult                        runner.py / coordinator.py
   build_plan, Plan                               topology.py
@@ -17,16 +17,16 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "run_topology": "hybridflow.pipeline.runner",
-    "RunResult": "hybridflow.pipeline.coordinator",
-    "build_plan": "hybridflow.pipeline.topology",
-    "Plan": "hybridflow.pipeline.topology",
-    "Launcher": "hybridflow.pipeline.launcher",
-    "LocalLauncher": "hybridflow.pipeline.launcher",
-    "ProcessSpec": "hybridflow.pipeline.launcher",
-    "register_source": "hybridflow.pipeline.data_source",
-    "register_driver_op": "hybridflow.pipeline.driver",
-    "register_sink": "hybridflow.pipeline.metrics",
+    "run_topology": "hybridflow.pipeline.runtime.runner",
+    "RunResult": "hybridflow.pipeline.runtime.coordinator",
+    "build_plan": "hybridflow.pipeline.compiler.plan",
+    "Plan": "hybridflow.pipeline.compiler.plan",
+    "Launcher": "hybridflow.pipeline.runtime.launcher",
+    "LocalLauncher": "hybridflow.pipeline.runtime.launcher",
+    "ProcessSpec": "hybridflow.pipeline.runtime.launcher",
+    "register_source": "hybridflow.pipeline.sources.registry",
+    "register_driver_op": "hybridflow.pipeline.driver.registry",
+    "register_sink": "hybridflow.pipeline.observe.metrics",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,8 +8,8 @@ vLLM) are built in `setup`, in the stage process that needs them.
 from hybridflow.stages.base import BACKENDS, Role, StageContext, create_role, register
 
 register("*", "synthetic", "hybridflow.stages.synthetic:SyntheticRole")
-register("rollout", "hf", "hybridflow.stages.rollout_hf:HFRollout")
-register("rollout", "vllm", "hybridflow.stages.rollout_vllm:VLLMRollout")
+register("rollout", "hf", "hybridflow.stages.rollout.hf:HFRollout")
+register("rollout", "vllm", "hybridflow.stages.rollout.vllm:VLLMRollout")
 register("actor", "hf", "hybridflow.stages.actor:Actor")
 register("critic", "hf", "hybridflow.stages.critic:Critic")
 register("reference", "hf", "hybridflow.stages.reference:Reference")

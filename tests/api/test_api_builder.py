@@ -9,8 +9,8 @@ from hybridflow import DataflowBuilder, Engine
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import CompileError, ConfigError
-from hybridflow.pipeline.placement import normalize, place
-from hybridflow.pipeline.topology import build_plan, describe
+from hybridflow.pipeline.api.placement import normalize, place
+from hybridflow.pipeline.compiler.plan import build_plan, describe
 
 SEED = """
 response = actor.generate(prompt)
@@ -282,7 +282,7 @@ def test_a_rollout_mapped_apart_gets_its_own_process_and_a_weight_sync():
         "rollout": ["rollout"],
     }
     assert [op.label for op in topo.dataflow][-2:] == ["actor.reshard", "rollout.load_weights"]
-    from hybridflow.pipeline.weight_sync import links
+    from hybridflow.pipeline.compiler.weight_links import links
 
     assert len(links(topo)) == 1  # the disaggregated reshard is wired from the topology
     with pytest.raises(ConfigError, match="share cuda:0 without being identical"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridflow.errors import ConfigError, PipelineError
-from hybridflow.pipeline import checkpoint as ck
+from hybridflow.pipeline.checkpoint import store as ck
 
 
 def test_state_trees_round_trip_through_safetensors_and_json(tmp_path):

@@ -8,9 +8,9 @@ import torch
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import CompileError
-from hybridflow.pipeline import expr
-from hybridflow.pipeline.compiler import KINDS, compile_step
-from hybridflow.pipeline.topology import build_plan
+from hybridflow.pipeline.compiler import expr
+from hybridflow.pipeline.compiler.frontend import KINDS, compile_step
+from hybridflow.pipeline.compiler.plan import build_plan
 
 ALL = ["actor", "rollout", "reference", "critic", "reward"]
 NO_CRITIC = ["actor", "rollout", "reference", "reward"]
@@ -117,12 +117,12 @@ def test_derived_scores_and_reported_arithmetic_become_driver_ops():
     """
     cs = compile_step(logic, ["prompt"], ["loss", "bonus"], ["actor", "rollout", "reward"])
     ops = {op.op: op for op in cs.dataflow}
-    arith = ops["hybridflow.pipeline.expr:arith"]
+    arith = ops["hybridflow.pipeline.compiler.expr:arith"]
     assert arith.inputs == ("rewards",) and arith.params == {
         "expr": "2 * rewards + 1",
         "output": "bonus",
     }
-    adv = ops["hybridflow.pipeline.expr:ScoreAdvantages"]
+    adv = ops["hybridflow.pipeline.compiler.expr:ScoreAdvantages"]
     assert adv.inputs[0] == "bonus" and adv.params["score"] == "bonus"
     assert adv.params["estimator"] == "reinforce_pp"  # no critic, not grpo_loss
     assert cs.outputs["bonus"] == "" and cs.collect == ("bonus",)

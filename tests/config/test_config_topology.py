@@ -12,7 +12,7 @@ import pytest
 from hybridflow.config.loader import config_hash, from_dict, to_dict
 from hybridflow.config.schema import Topology, load_topology, preset_names
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.topology import build_plan
+from hybridflow.pipeline.compiler.plan import build_plan
 
 
 def base() -> dict[str, Any]:

@@ -149,7 +149,7 @@ def test_collate_and_metadata_round_trip(tok):
 
 
 def test_prompt_source_for_the_runtime(tmp_path):
-    from hybridflow.data.source import PromptSource
+    from hybridflow.pipeline.sources.prompt_source import PromptSource
 
     fields = ("prompt_ids", "prompt_mask", "metadata_json", "sample_idx")
     opts = {"source": "task:last_digit", "task_size": 5, "tokenizer": "builtin"}

@@ -14,11 +14,11 @@ import torch
 from hybridflow.cli import main
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.driver import resolve_driver_op
-from hybridflow.pipeline.metrics import derive_step_metrics
-from hybridflow.pipeline.plot import plot_run, reward_summary
-from hybridflow.pipeline.rl_data import GroupedPrompts
-from hybridflow.pipeline.topology import build_plan
+from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.driver.registry import resolve_driver_op
+from hybridflow.pipeline.observe.metrics import derive_step_metrics
+from hybridflow.pipeline.observe.plot import plot_run, reward_summary
+from hybridflow.pipeline.sources.rl import GroupedPrompts
 
 RL_PRESETS = ("grpo", "ppo", "demo")
 
@@ -161,7 +161,7 @@ def test_adaptive_kl_coefficient_of_a_resumed_run_starts_at_its_first_step():
 
 
 def test_adaptive_kl_schedule_survives_a_checkpoint_round_trip(tmp_path):
-    from hybridflow.pipeline.checkpoint import load_drivers, save_drivers
+    from hybridflow.pipeline.checkpoint.store import load_drivers, save_drivers
 
     topo = load_topology("ppo", ["run.step_batch=32", "run.micro_batch=32"])  # 1 mb a step
     index = _adv_index(topo)
@@ -186,7 +186,7 @@ def test_adaptive_kl_schedule_survives_a_checkpoint_round_trip(tmp_path):
 
 
 def test_jsonl_sink_of_a_resumed_run_continues_the_file(tmp_path):
-    from hybridflow.pipeline.metrics import JsonlSink
+    from hybridflow.pipeline.observe.metrics import JsonlSink
 
     first = JsonlSink(tmp_path)
     for step in range(3):

@@ -17,7 +17,7 @@ import pytest
 from e2e_helpers import mean, preset, read_jsonl
 
 from hybridflow.errors import StageError
-from hybridflow.pipeline.runner import run_topology
+from hybridflow.pipeline.runtime.runner import run_topology
 
 REQUIRED = (
     "reward/mean",

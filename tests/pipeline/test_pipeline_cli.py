@@ -15,7 +15,7 @@ import time
 
 import pytest
 import yaml
-from conftest import leftovers, small_topology
+from pipeline_helpers import leftovers, small_topology
 
 from hybridflow.cli import main
 
@@ -82,7 +82,7 @@ def _children(pid: int) -> dict[int, str]:
                 cmd = f.read().replace(b"\0", b" ").decode()
         except (OSError, ValueError, IndexError):
             continue
-        if "hybridflow.pipeline.launcher" in cmd:
+        if "hybridflow.pipeline.runtime.launcher" in cmd:
             out[int(stat.split("/")[2])] = cmd
     return out
 

@@ -13,11 +13,11 @@ import uuid
 from typing import Any
 
 import pytest
-from conftest import RecordingLauncher, StepSignal, leftovers
+from pipeline_helpers import RecordingLauncher, StepSignal, leftovers
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import PipelineError, StageDeadError, StageError
-from hybridflow.pipeline.runner import run_topology
+from hybridflow.pipeline.runtime.runner import run_topology
 
 
 def long_run(topo_dict: Any, **run: Any) -> dict[str, Any]:

@@ -4,9 +4,9 @@ messages for the cases the process tests cannot reach cheaply (startup timeout).
 from __future__ import annotations
 
 from hybridflow.config.schema import LivenessConfig
-from hybridflow.pipeline.launcher import ProcessExit
-from hybridflow.pipeline.peers import StagePeer, check_liveness
-from hybridflow.pipeline.topology import ProcessInfo
+from hybridflow.pipeline.compiler.plan import ProcessInfo
+from hybridflow.pipeline.runtime.launcher import ProcessExit
+from hybridflow.pipeline.runtime.peers import StagePeer, check_liveness
 
 LIVE = LivenessConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0, startup_timeout_s=10.0)
 

@@ -10,10 +10,10 @@ import json
 import uuid
 
 import torch
-from conftest import RecordingLauncher, leftovers
+from pipeline_helpers import RecordingLauncher, leftovers
 
 from hybridflow.config.schema import load_topology
-from hybridflow.pipeline.runner import run_topology
+from hybridflow.pipeline.runtime.runner import run_topology
 
 
 def test_three_stages_stream_every_micro_batch_once_in_order(topo_dict, tmp_path):

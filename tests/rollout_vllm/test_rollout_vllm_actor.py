@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import torch
 from _policy import EOS, PAD, PRESET, RUN_SEED, left_pad, responses
-from conftest import MAX_NEW
+from vllm_helpers import MAX_NEW
 
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import load_topology
-from hybridflow.pipeline.runner import run_topology
-from hybridflow.stages import vllm_compat
+from hybridflow.pipeline.runtime.runner import run_topology
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.base import StageContext
+from hybridflow.stages.rollout import vllm_compat
 
 pytestmark = pytest.mark.skipif(
     not vllm_compat.vllm_available(), reason="vLLM not installed (use .venv-vllm)"

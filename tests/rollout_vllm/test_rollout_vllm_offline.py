@@ -10,9 +10,9 @@ import torch
 
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import BatchError, ConfigError
-from hybridflow.stages import vllm_compat
 from hybridflow.stages.base import StageContext
-from hybridflow.stages.rollout_vllm import VLLMRollout, VLLMRolloutOptions
+from hybridflow.stages.rollout import vllm_compat
+from hybridflow.stages.rollout.vllm import VLLMRollout, VLLMRolloutOptions
 
 
 def ctx(tmp_path, **options) -> StageContext:

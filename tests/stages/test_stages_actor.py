@@ -10,7 +10,7 @@ from hybridflow.data import collate_sft
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.reference import Reference
-from hybridflow.stages.rollout_hf import HFRollout
+from hybridflow.stages.rollout.hf import HFRollout
 from hybridflow.stages.trainer import TrainOptions, lr_factor
 
 

@@ -8,7 +8,7 @@ from stage_helpers import make_role, prompt_batch, sequences
 
 from hybridflow.errors import BatchError
 from hybridflow.stages.critic import Critic
-from hybridflow.stages.rollout_hf import HFRollout
+from hybridflow.stages.rollout.hf import HFRollout
 
 
 @pytest.fixture(scope="module")

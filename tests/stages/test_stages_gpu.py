@@ -13,7 +13,7 @@ from hybridflow.stages.actor import Actor
 from hybridflow.stages.base import StageContext
 from hybridflow.stages.critic import Critic
 from hybridflow.stages.reference import Reference
-from hybridflow.stages.rollout_hf import HFRollout
+from hybridflow.stages.rollout.hf import HFRollout
 
 pytestmark = pytest.mark.gpu
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from stage_helpers import make_role
 
 from hybridflow.algos.advantages import grpo_advantages
-from hybridflow.data.source import PromptSource
+from hybridflow.pipeline.sources.prompt_source import PromptSource
 from hybridflow.stages import create_role
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.base import Role
 from hybridflow.stages.reward.function import FunctionReward
-from hybridflow.stages.rollout_hf import HFRollout
+from hybridflow.stages.rollout.hf import HFRollout
 
 
 def test_registered_backends_are_roles():

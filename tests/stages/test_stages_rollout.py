@@ -9,7 +9,7 @@ from stage_helpers import PROMPTS, TOK, make_role, prompt_batch, sequences
 from hybridflow.data import collate_sft
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.actor import Actor
-from hybridflow.stages.rollout_hf import HFRollout
+from hybridflow.stages.rollout.hf import HFRollout
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,10 @@ from ws_helpers import disaggregated
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import ConfigError, PeerDeadError, PipelineError, TransportTimeout
-from hybridflow.pipeline.topology import build_plan, describe, describe_text
-from hybridflow.pipeline.weight_stream import WINDOW, WeightReceiver, WeightSender
-from hybridflow.pipeline.weight_sync import endpoints, identity, links, sync_partners
+from hybridflow.pipeline.compiler.plan import build_plan, describe, describe_text
+from hybridflow.pipeline.compiler.weight_links import identity, links, sync_partners
+from hybridflow.pipeline.host.weight_stream import WINDOW, WeightReceiver, WeightSender
+from hybridflow.pipeline.host.weight_sync import endpoints
 from hybridflow.transport.channel import Channel
 from hybridflow.transport.protocol import Hello, Weights
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hybridflow.cli import main
-from hybridflow.stages.vllm_compat import vllm_available
+from hybridflow.stages.rollout.vllm_compat import vllm_available
 
 
 def _bench(capsys, *argv: str) -> dict:

@@ -17,8 +17,8 @@ from ws_helpers import ACTOR_SEED, ROLLOUT_SEED, ShmProbe, disaggregated, greedy
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import PipelineError
-from hybridflow.pipeline.launcher import LocalLauncher
-from hybridflow.pipeline.runner import run_topology
+from hybridflow.pipeline.runtime.launcher import LocalLauncher
+from hybridflow.pipeline.runtime.runner import run_topology
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.base import StageContext
 

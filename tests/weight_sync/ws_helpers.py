@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hybridflow.stages.base import StageContext
-from hybridflow.stages.rollout_hf import HFRollout
+from hybridflow.stages.rollout.hf import HFRollout
 
 ACTOR_SEED = 11  # the actor's initial weights ...
 ROLLOUT_SEED = 22  # ... differ from the rollout's until weights move
@@ -83,7 +83,7 @@ def disaggregated(tmp_path: Path, *, steps: int = 2, k: int = 0, **actor: Any) -
                 {"role": "actor", "op": "get_logprob", "inputs": seq, "outputs": ["old_logprobs"]},
                 {
                     "role": "driver",
-                    "op": "hybridflow.pipeline.expr:arith",
+                    "op": "hybridflow.pipeline.compiler.expr:arith",
                     "inputs": ["rollout_logprobs", "response_mask"],
                     "outputs": ["advantages"],
                     "params": {"expr": "0.0 * rollout_logprobs + 1.0", "output": "advantages"},

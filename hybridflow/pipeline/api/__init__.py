@@ -1,0 +1,1 @@
+"""The public Python API: `DataflowBuilder` (builder), `Engine` (engine), device placement."""

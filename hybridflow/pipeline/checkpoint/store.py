@@ -1,0 +1,475 @@
+"""Checkpoints: every stage's role states + RNG, the run's position and config, on disk.
+
+Layout of one checkpoint (a directory, written atomically: built under a temporary name
+in the same parent, then renamed; `latest` is replaced atomically after the rename):
+
+    <save_dir>/step-00000006/
+        meta.json                   format, step (= steps done = the next step to run),
+                                    seed, policy version, data position, config (topology
+                                    as plain data), created, extra (e.g. the builder's logic)
+        stages/<stage>-<replica>/
+            <role>.safetensors      every tensor of Role.state_dict() (weights, optimizer
+                                    moments, generator states), keyed by dotted path
+            <role>.json             the rest of the state, tensors replaced by
+                                    {"__tensor__": key}; tuples/int keys/NaN tagged
+            rng.safetensors / rng.json   the process's torch (CPU, CUDA), Python and
+                                    NumPy RNG states
+        policy/                     (final checkpoint) the actor's model + tokenizer via
+                                    save_pretrained: transformers and vLLM load it as is
+    <save_dir>/latest               the name of the newest complete checkpoint
+
+Nothing is pickled: tensors go to safetensors, everything else to JSON, and loading
+refuses any JSON node it does not recognise. Who calls what:
+  - the coordinator (`Checkpointer`) decides when (`due`), creates the temporary
+    directory, asks every stage process to write its part (`save_stage`, run inside the
+    stage), then writes meta.json and commits (`commit`: rename, `latest`, prune to
+    `keep_last`);
+  - a stage process started with a checkpoint (`resume_dir`) calls `load_stage` after
+    its roles' setup: each role gets its state back; a role that takes weights
+    (`update_weights`: the rollout engines) gets the policy weights of the checkpoint's
+    actor, so a resumed run generates with the trained policy from its first step.
+Invariant: a directory named step-* that exists is complete (partial ones keep their
+temporary `.tmp-` name and are swept at the next save).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.errors import ConfigError, PipelineError
+
+log = logging.getLogger("hybridflow.checkpoint")
+
+FORMAT = 1
+SAVE_OP = "checkpoint_save"  # control op a stage process answers itself (never a role)
+_PREFIX = "step-"
+_TMP = ".tmp-"
+
+# ---------------------------------------------------------------------------------------
+# A state tree <-> (JSON-able tree, flat tensor dict)
+
+
+def encode_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
+    """Replace tensors by {"__tensor__": key} (filling `tensors`); tag what JSON lacks."""
+    if isinstance(obj, torch.Tensor):
+        key = path or "tensor"
+        while key in tensors:
+            key += "_"
+        # safetensors refuses shared storage and non-contiguous tensors: own copies.
+        tensors[key] = obj.detach().to("cpu").contiguous().clone()
+        return {"__tensor__": key}
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode_tree(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode_tree(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if isinstance(obj, Mapping):
+        plain = all(isinstance(k, str) and not k.startswith("__") for k in obj)
+        if plain:
+            return {k: encode_tree(v, tensors, _join(path, k)) for k, v in obj.items()}
+        return {
+            "__items__": [
+                [
+                    encode_tree(k, tensors, f"{path}.key"),
+                    encode_tree(v, tensors, _join(path, str(k))),
+                ]
+                for k, v in obj.items()
+            ]
+        }
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {path or 'the top'}")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def decode_tree(node: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
+    if isinstance(node, list):
+        return [decode_tree(v, tensors, where) for v in node]
+    if not isinstance(node, dict):
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        raise PipelineError(f"{where}: unexpected JSON value {node!r}")
+    if len(node) == 1:
+        ((tag, value),) = node.items()
+        if tag == "__tensor__":
+            if value not in tensors:
+                raise PipelineError(
+                    f"{where}: tensor {value!r} is missing from the safetensors file"
+                )
+            return tensors[value]
+        if tag == "__float__":
+            if value not in ("nan", "inf", "-inf"):
+                raise PipelineError(f"{where}: bad float tag {value!r}")
+            return float(value)
+        if tag == "__tuple__":
+            return tuple(decode_tree(v, tensors, where) for v in value)
+        if tag == "__items__":
+            return {
+                decode_tree(k, tensors, where): decode_tree(v, tensors, where) for k, v in value
+            }
+    for key in node:
+        if key.startswith("__"):
+            raise PipelineError(f"{where}: unknown tag {key!r}")
+    return {k: decode_tree(v, tensors, where) for k, v in node.items()}
+
+
+def write_state(state: Any, directory: Path, name: str) -> None:
+    """`<name>.json` + `<name>.safetensors` (the latter only if there are tensors)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    tree = encode_tree(state, tensors)
+    if tensors:
+        save_file(tensors, str(directory / f"{name}.safetensors"))
+    (directory / f"{name}.json").write_text(json.dumps(tree, allow_nan=False))
+
+
+def read_state(directory: Path, name: str) -> Any:
+    from safetensors.torch import load_file
+
+    where = str(directory / f"{name}.json")
+    try:
+        tree = json.loads((directory / f"{name}.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"checkpoint file {where} is unreadable: {exc}") from exc
+    blob = directory / f"{name}.safetensors"
+    tensors = load_file(str(blob)) if blob.is_file() else {}
+    return decode_tree(tree, tensors, where)
+
+
+# ---------------------------------------------------------------------------------------
+# Process RNG states
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    cuda = state.get("torch_cuda")
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    np_state = state.get("numpy")
+    if np_state:
+        import numpy as np
+
+        keys = np_state["keys"].numpy().astype("uint32")
+        np.random.set_state(
+            (np_state["kind"], keys, np_state["pos"], np_state["has_gauss"], np_state["gauss"])
+        )
+
+
+def derive_seed(seed: int, *parts: Any) -> int:
+    """A stable 63-bit seed from the run seed and any parts (same in every process)."""
+    import hashlib
+
+    digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def seed_process(seed: int) -> None:
+    """Seed every global RNG of a process (torch, CUDA, Python, NumPy) from one int."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (1 << 32))
+    except ImportError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# Inside a stage process
+
+
+def stage_dir(root: Path, stage: str, replica: int) -> Path:
+    return root / "stages" / f"{stage}-{replica}"
+
+
+def save_stage(
+    roles: Mapping[str, Any],
+    kinds: Mapping[str, str],
+    root: Path,
+    stage: str,
+    replica: int,
+    export: str = "",
+) -> dict[str, float]:
+    """Write this process's part of a checkpoint under `root` (the temporary directory).
+    `export`: a directory to write the actor's model with save_pretrained (replica 0)."""
+    t0 = time.perf_counter()
+    out = stage_dir(root, stage, replica)
+    out.mkdir(parents=True, exist_ok=True)
+    nbytes = 0
+    for name, role in roles.items():
+        write_state(role.state_dict(), out, name)
+        blob = out / f"{name}.safetensors"
+        nbytes += blob.stat().st_size if blob.is_file() else 0
+    write_state(rng_state(), out, "rng")
+    if export and replica == 0:
+        for name, role in roles.items():
+            if kinds.get(name) == "actor":
+                _export(role, Path(export))
+    return {"checkpoint/save_s": time.perf_counter() - t0, "checkpoint/bytes": float(nbytes)}
+
+
+def _export(role: Any, directory: Path) -> None:
+    from hybridflow.models.loader import save_pretrained
+
+    model, tokenizer = getattr(role, "model", None), getattr(role, "tokenizer", None)
+    if model is None or tokenizer is None or not hasattr(model, "save_pretrained"):
+        # e.g. the synthetic backend: there is no policy to export, only state.
+        log.info(
+            "actor backend %s has no transformers model: nothing exported", type(role).__name__
+        )
+        return
+    save_pretrained(model, tokenizer, directory)
+
+
+def load_stage(
+    roles: Mapping[str, Any],
+    kinds: Mapping[str, str],
+    root: Path,
+    stage: str,
+    replica: int,
+) -> None:
+    """Restore this process's roles and RNG from checkpoint `root` (after role setup)."""
+    src = stage_dir(root, stage, replica)
+    if not src.is_dir():
+        raise PipelineError(
+            f"checkpoint {root} has no state for stage {stage} replica {replica}; was it "
+            "written by a run with the same stages and replicas?"
+        )
+    meta = read_meta(root)
+    for name, role in roles.items():
+        if not (src / f"{name}.json").is_file():
+            raise PipelineError(f"checkpoint {root}: no state for role {name!r} in {src}")
+        role.load_state_dict(read_state(src, name))
+    for name, role in roles.items():
+        if kinds.get(name) != "actor" and hasattr(role, "update_weights"):
+            weights = policy_weights(root)
+            role.update_weights(iter(weights.items()), version=int(meta["policy_version"]))
+            log.info("%s: policy weights of step %d loaded", name, meta["step"])
+    set_rng_state(read_state(src, "rng"))
+
+
+def policy_weights(root: Path) -> dict[str, torch.Tensor]:
+    """The actor's model weights in checkpoint `root` (from its replica-0 stage)."""
+    from safetensors.torch import load_file
+
+    meta = read_meta(root)
+    actor = meta.get("actor")
+    if not actor:
+        raise PipelineError(f"checkpoint {root} holds no actor (meta.json names none)")
+    blob = stage_dir(root, actor["stage"], 0) / f"{actor['role']}.safetensors"
+    tensors = load_file(str(blob))
+    prefix = "model."
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+# ---------------------------------------------------------------------------------------
+# In the coordinator
+
+
+def save_drivers(drivers: Mapping[int, Any], root: Path) -> None:
+    """State of the driver ops that keep any (`state_dict()`), e.g. an adaptive KL
+    coefficient, under `coordinator/driver-<op index>`."""
+    out = root / "coordinator"
+    for index, fn in drivers.items():
+        if callable(getattr(fn, "state_dict", None)):
+            out.mkdir(parents=True, exist_ok=True)
+            write_state(fn.state_dict(), out, f"driver-{index}")
+
+
+def load_drivers(drivers: Mapping[int, Any], root: Path) -> None:
+    src = root / "coordinator"
+    for index, fn in drivers.items():
+        if (src / f"driver-{index}.json").is_file():
+            if not callable(getattr(fn, "load_state_dict", None)):
+                raise PipelineError(
+                    f"checkpoint {root} holds state for driver op {index}, which cannot load it"
+                )
+            fn.load_state_dict(read_state(src, f"driver-{index}"))
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_dir: str
+    save_interval: int = 0  # steps between checkpoints; 0: only at the end
+    keep_last: int = 3  # complete checkpoints kept (older ones deleted); 0: keep all
+    export_final: bool = True  # save_pretrained the policy into the final checkpoint
+
+    def validate(self) -> None:
+        if not self.save_dir:
+            raise ConfigError("save_path", "is required")
+        if self.save_interval < 0:
+            raise ConfigError("save_interval", f"must be >= 0, got {self.save_interval}")
+        if self.keep_last < 0:
+            raise ConfigError("keep_last", f"must be >= 0, got {self.keep_last}")
+
+
+class Checkpointer:
+    """Coordinator-side bookkeeping: when to save, where, and the atomic commit."""
+
+    def __init__(
+        self, cfg: CheckpointConfig, last_step: int, extra: dict[str, Any] | None = None
+    ) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.root = Path(cfg.save_dir)
+        self.last_step = last_step  # index of the run's final step
+        self.extra = dict(extra or {})  # JSON-able, stored in meta.json (e.g. the logic)
+
+    def meta(self, step: int, topo: Any, policy_version: int) -> dict[str, Any]:
+        """meta.json of the checkpoint taken after `step` (steps done: step + 1)."""
+        from hybridflow.config.loader import to_dict
+        from hybridflow.version import __version__
+
+        actor = next(
+            (
+                {"stage": stage, "role": role}
+                for stage, cfg in topo.stages.items()
+                for role, rc in cfg.roles.items()
+                if (rc.kind or role) == "actor"
+            ),
+            None,
+        )
+        return {
+            "format": FORMAT,
+            "hybridflow": __version__,
+            "step": step + 1,
+            "seed": topo.seed,
+            "policy_version": policy_version,
+            "data": {"next_step": step + 1, "samples_seen": (step + 1) * topo.run.step_batch},
+            "actor": actor,
+            "created": time.time(),
+            "config": to_dict(topo),
+            "extra": self.extra,
+        }
+
+    def due(self, step: int) -> bool:
+        """Save after step `step` finished? (every save_interval steps, and at the end)"""
+        if step == self.last_step:
+            return True
+        n = self.cfg.save_interval
+        return n > 0 and (step + 1) % n == 0
+
+    def next_due(self, step: int) -> int:
+        """The first step >= `step` after which a checkpoint is taken."""
+        s = step
+        while not self.due(s):
+            s += 1
+        return s
+
+    def begin(self, step: int) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(f"{_TMP}*"):  # an earlier crash mid-save
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = self.root / f"{_TMP}{_PREFIX}{step + 1:08d}-{uuid.uuid4().hex[:6]}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, meta: dict[str, Any]) -> Path:
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, allow_nan=False))
+        final = self.root / f"{_PREFIX}{int(meta['step']):08d}"
+        if final.exists():  # the same step saved again (a re-run): replace it whole
+            trash = self.root / f"{_TMP}old-{uuid.uuid4().hex[:6]}"
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.rename(tmp, final)
+        pointer = self.root / f"{_TMP}latest-{uuid.uuid4().hex[:6]}"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, self.root / "latest")
+        self._prune(keep=final)
+        return final
+
+    def _prune(self, keep: Path) -> None:
+        if self.cfg.keep_last <= 0:
+            return
+        done = list_checkpoints(self.root)
+        for old in done[: max(0, len(done) - self.cfg.keep_last)]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def resolve(resume_from: str | Path, save_dir: str | Path | None = None) -> Path:
+    """`"latest"` (under `save_dir`), a checkpoint directory, or a save_dir (its latest)."""
+    if str(resume_from) == "latest":
+        if save_dir is None:
+            raise ConfigError("resume_from", "'latest' needs a save_path (save_checkpoint)")
+        root = Path(save_dir)
+        pointer = root / "latest"
+        if pointer.is_file():
+            path = root / pointer.read_text().strip()
+            if (path / "meta.json").is_file():
+                return path
+        done = list_checkpoints(root)
+        if not done:
+            raise ConfigError("resume_from", f"no checkpoint under {str(root)!r} to resume from")
+        return done[-1]
+    path = Path(resume_from)
+    if (path / "meta.json").is_file():
+        return path
+    if path.is_dir() and ((path / "latest").is_file() or list_checkpoints(path)):
+        return resolve("latest", path)
+    raise ConfigError("resume_from", f"{str(path)!r} is not a checkpoint (no meta.json)")
+
+
+def read_meta(root: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((Path(root) / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("resume_from", f"{str(root)!r}: cannot read meta.json: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ConfigError(
+            "resume_from", f"{str(root)!r}: not a hybridflow checkpoint of format {FORMAT}"
+        )
+    return meta
+
+
+def iter_stage_dirs(root: Path) -> Iterator[Path]:
+    yield from sorted((root / "stages").glob("*-*"))

@@ -1,0 +1,287 @@
+"""Resolve a validated `Topology` into a `Plan`: processes, op dependencies, phases.
+
+Consumes a `Topology` (config/schema.py, already structurally valid) and checks what
+needs the registries the config layer may not import: backends (hybridflow.stages), data
+sources, driver ops, metrics sinks and, when asked, that the devices exist. Produces the
+`Plan` the coordinator and launcher work from, and the human/JSON description printed by
+`hybridflow validate`.
+
+Dependencies inside one step (what `PlannedOp.deps` means):
+  - a micro-batch op depends on the producers of its inputs (per micro-batch for
+    micro-batch values, the whole step for step values; data fields are always there);
+  - a step op depends on every op listed before it (the step barrier), except that a
+    `reshard` streaming weights to another stage and that stage's `load_weights` do not
+    wait for each other: they run together (pipeline/weight_sync.py).
+`head` ops consume only data fields: they start a step's micro-batches (rollout), and
+only they may run ahead of the previous step's reshard (`max_offpolicy_steps`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.config.loader import config_hash, from_dict
+from hybridflow.config.schema import DRIVER_ROLE, OpConfig, Topology
+from hybridflow.errors import ConfigError
+
+DATA = -1  # producer index of data-source fields
+
+
+@dataclass(frozen=True)
+class PlannedOp:
+    index: int
+    cfg: OpConfig
+    stage: str | None  # None: a driver op, computed in the coordinator
+    deps: tuple[int, ...]  # op indices this op waits for within a step
+    phase_index: int  # position of cfg.phase_name among the plan's phases
+    head: bool  # consumes only data fields
+
+    @property
+    def is_step(self) -> bool:
+        return self.cfg.scope == "step"
+
+    @property
+    def label(self) -> str:
+        return self.cfg.label
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    stage: str
+    replica: int
+    device: str
+    roles: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}/{self.replica}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    topology: Topology
+    config_hash: str
+    ops: tuple[PlannedOp, ...]
+    processes: tuple[ProcessInfo, ...]
+    phases: tuple[str, ...]
+    producer: dict[str, int]  # value name -> op index, DATA for data fields
+    role_stage: dict[str, str]
+
+    @property
+    def replicas(self) -> dict[str, int]:
+        return {name: cfg.replicas for name, cfg in self.topology.stages.items()}
+
+    def role_ops(self, role: str) -> dict[str, dict[str, Any]]:
+        return role_ops(self.topology, role)
+
+    def edges(self) -> list[tuple[str, str, str]]:
+        """(producer label, consumer label, value) for every value that crosses an op."""
+        out = []
+        for op in self.ops:
+            for name in op.cfg.inputs:
+                p = self.producer[name]
+                out.append(("data" if p == DATA else self.ops[p].label, op.label, name))
+        return out
+
+
+def role_ops(topo: Topology, role: str) -> dict[str, dict[str, Any]]:
+    """What a role will be asked to do: op -> inputs/outputs/scope (StageContext.world)."""
+    return {
+        op.op: {"inputs": list(op.inputs), "outputs": list(op.outputs), "scope": op.scope}
+        for op in topo.dataflow
+        if op.role == role
+    }
+
+
+def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:
+    """Registry checks + dependency analysis. Raises ConfigError with dotted paths."""
+    _check_backends(topo)
+    _check_data(topo)
+    from hybridflow.pipeline.observe.metrics import check_sinks
+
+    check_sinks(topo.metrics.backends)
+    if check_devices:
+        _check_devices(topo)
+    role_stage = topo.role_stage()
+    from hybridflow.pipeline.compiler.weight_links import sync_partners
+
+    # A reshard streaming to another stage and that stage's load_weights run together.
+    partners = sync_partners(topo)
+    producer: dict[str, int] = {name: DATA for name in topo.data.fields}
+    phases: list[str] = []
+    ops: list[PlannedOp] = []
+    for i, cfg in enumerate(topo.dataflow):
+        if cfg.role == DRIVER_ROLE:
+            from hybridflow.pipeline.driver.registry import resolve_driver_op
+
+            resolve_driver_op(cfg.op, f"dataflow[{i}].op", topology=topo, index=i)
+        if cfg.phase_name not in phases:
+            phases.append(cfg.phase_name)
+        if cfg.scope == "step":
+            deps = tuple(j for j in range(i) if j not in partners.get(i, ()))
+        else:
+            deps = tuple(sorted({producer[n] for n in cfg.inputs} - {DATA}))
+        head = cfg.scope == "micro_batch" and all(producer[n] == DATA for n in cfg.inputs)
+        ops.append(
+            PlannedOp(
+                index=i,
+                cfg=cfg,
+                stage=role_stage.get(cfg.role),
+                deps=deps,
+                phase_index=phases.index(cfg.phase_name),
+                head=head,
+            )
+        )
+        for name in cfg.outputs:
+            producer[name] = i
+    processes = tuple(
+        ProcessInfo(stage, r, cfg.device_of(r), tuple(cfg.roles))
+        for stage, cfg in topo.stages.items()
+        for r in range(cfg.replicas)
+    )
+    return Plan(
+        topology=topo,
+        config_hash=config_hash(topo),
+        ops=tuple(ops),
+        processes=processes,
+        phases=tuple(phases),
+        producer=producer,
+        role_stage=role_stage,
+    )
+
+
+def _check_backends(topo: Topology) -> None:
+    from hybridflow.stages import BACKENDS  # imports only the registry, not the backends
+
+    for stage, cfg in topo.stages.items():
+        for role, rc in cfg.roles.items():
+            kind = rc.kind or role
+            target = BACKENDS.get((kind, rc.backend)) or BACKENDS.get(("*", rc.backend))
+            if target is None:
+                known = sorted({b for (k, b) in BACKENDS if k in (kind, "*")})
+                raise ConfigError(
+                    f"stages.{stage}.roles.{role}.backend",
+                    f"unknown backend {rc.backend!r} for role kind {kind!r}; known: {', '.join(known)}",
+                )
+            _check_role_options(target, rc.options, f"stages.{stage}.roles.{role}.options")
+
+
+def _check_role_options(target: str, options: dict[str, Any], path: str) -> None:
+    """Parse a role's `options:` with its backend's `options_cls` (when it declares one), so
+    a typo fails at validate/plan time rather than during stage setup. Imports the backend
+    module only (cheap: models and engines are built in `setup`, in the stage process)."""
+    module, cls_name = target.split(":")
+    options_cls = getattr(getattr(importlib.import_module(module), cls_name), "options_cls", None)
+    if options_cls is not None:
+        from_dict(options_cls, dict(options), path)
+
+
+def _check_data(topo: Topology) -> None:
+    from hybridflow.pipeline.sources.registry import create_source
+
+    create_source(topo.data, topo.seed).close()  # the source validates its own options
+
+
+def _check_devices(topo: Topology) -> None:
+    wanted = [
+        (stage, r, cfg.device_of(r))
+        for stage, cfg in topo.stages.items()
+        for r in range(cfg.replicas)
+        if cfg.device_of(r).startswith("cuda")
+    ]
+    if not wanted:
+        return
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for stage, r, dev in wanted:
+        if int(dev.split(":")[1]) >= n:
+            cfg = topo.stages[stage]
+            path = f"stages.{stage}.devices" + ("" if isinstance(cfg.devices, str) else f"[{r}]")
+            raise ConfigError(path, f"{dev} is not available: this machine has {n} CUDA device(s)")
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def describe(plan: Plan) -> dict[str, Any]:
+    """The resolved topology as plain data (`hybridflow validate --json`)."""
+    t = plan.topology
+    return {
+        "name": t.name,
+        "config_hash": plan.config_hash,
+        "seed": t.seed,
+        "run": {
+            "steps": t.run.steps,
+            "step_batch": t.run.step_batch,
+            "micro_batch": t.run.micro_batch,
+            "micro_batches_per_step": t.run.micro_batches,
+            "mode": t.run.mode,
+            "max_offpolicy_steps": t.run.max_offpolicy_steps,
+            "max_inflight": t.run.max_inflight,
+        },
+        "data": {"source": t.data.source, "fields": list(t.data.fields)},
+        "processes": [
+            {
+                "name": p.name,
+                "stage": p.stage,
+                "replica": p.replica,
+                "device": p.device,
+                "roles": {r: t.stages[p.stage].roles[r].backend for r in p.roles},
+            }
+            for p in plan.processes
+        ],
+        "ops": [
+            {
+                "op": op.label,
+                "scope": op.cfg.scope,
+                "phase": op.cfg.phase_name,
+                "runs_on": op.stage or "coordinator",
+                "inputs": list(op.cfg.inputs),
+                "outputs": list(op.cfg.outputs),
+                "head": op.head,
+            }
+            for op in plan.ops
+        ],
+        "edges": [{"from": a, "to": b, "value": v} for a, b, v in plan.edges()],
+        **_weight_links(t),
+    }
+
+
+def _weight_links(t: Topology) -> dict[str, Any]:
+    from hybridflow.pipeline.compiler.weight_links import describe_links
+
+    found = describe_links(t)
+    return {"weight_sync": found} if found else {}
+
+
+def describe_text(plan: Plan) -> str:
+    d = describe(plan)
+    run = d["run"]
+    lines = [
+        f"topology {d['name']!r}  (config hash {d['config_hash']}, seed {d['seed']})",
+        f"run: {run['steps']} step(s) x {run['step_batch']} samples, micro-batch "
+        f"{run['micro_batch']} ({run['micro_batches_per_step']} per step), mode {run['mode']}, "
+        f"max_offpolicy_steps {run['max_offpolicy_steps']}, max_inflight {run['max_inflight']}",
+        f"data: {d['data']['source']} -> {', '.join(d['data']['fields'])}",
+        f"processes ({len(d['processes'])}):",
+    ]
+    width = max(len(p["name"]) for p in d["processes"])
+    for p in d["processes"]:
+        roles = ", ".join(f"{r} ({b})" for r, b in p["roles"].items())
+        lines.append(f"  {p['name']:<{width}}  device {p['device']:<7} roles: {roles}")
+    lines.append(f"dataflow ({len(d['ops'])} ops, phases: {', '.join(plan.phases)}):")
+    for i, op in enumerate(d["ops"]):
+        scope = "step" if op["scope"] == "step" else "mb  "
+        lines.append(
+            f"  [{i}] {scope} {op['op']}({', '.join(op['inputs'])}) -> "
+            f"({', '.join(op['outputs'])})  on {op['runs_on']}"
+        )
+    lines.append("edges:")
+    for e in d["edges"]:
+        lines.append(f"  {e['from']} -> {e['to']}: {e['value']}")
+    for w in d.get("weight_sync", []):
+        lines.append(f"weights: {w['from']} -> {', '.join(w['to'])} over {w['tier']}")
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""Weight links: which actor `reshard` streams weights to which rollout `load_weights`
+in another stage, derived from the topology alone (no setting). Planning (plan.py) uses
+them to let the two ops of a link run together in the step barrier; the stage host
+(host/weight_sync.py) uses them to connect sender and receivers.
+
+A link exists for a step op `R.load_weights` with **no inputs** hosted by another stage
+than a step op `A.reshard`: A's replica 0 sends to every replica of R's stage, over NCCL
+when every end is on CUDA, else over pooled shared memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hybridflow.config.schema import Topology
+from hybridflow.errors import ConfigError
+
+Tier = Literal["shm", "nccl", "gloo"]
+
+
+@dataclass(frozen=True)
+class WeightLink:
+    """One sending role and every replica that receives from it."""
+
+    source: str  # role whose `reshard` pushes
+    source_stage: str
+    reshard_op: int  # dataflow index
+    targets: tuple[str, ...]  # receiving roles
+    load_ops: tuple[int, ...]  # dataflow indices of their `load_weights` ops
+    receivers: tuple[tuple[str, str, int], ...]  # (role, stage, replica); NCCL rank = 1 + index
+    tier: Tier
+    local_too: bool  # the source stage also hosts a rollout role: reshard it in-process too
+
+    @property
+    def identities(self) -> tuple[bytes, ...]:
+        return tuple(identity(*r) for r in self.receivers)
+
+
+def identity(role: str, stage: str, replica: int) -> bytes:
+    return f"{role}@{stage}/{replica}".encode()
+
+
+def links(topo: Topology) -> tuple[WeightLink, ...]:
+    """The weight links of `topo` (empty when every reshard is colocated or coordinator-fed).
+    Raises ConfigError (dotted path) for a `load_weights` without inputs that no reshard
+    in another stage can feed, or that several could."""
+    where = topo.role_stage()
+    reshards = [
+        (i, op) for i, op in enumerate(topo.dataflow) if op.scope == "step" and op.op == "reshard"
+    ]
+    by_source: dict[int, list[int]] = {}
+    for i, op in enumerate(topo.dataflow):
+        if op.scope != "step" or op.op != "load_weights" or op.inputs:
+            continue
+        stage = where.get(op.role)
+        sources = [j for j, r in reshards if where.get(r.role) not in (None, stage)]
+        if not sources:
+            same = [j for j, r in reshards if where.get(r.role) == stage]
+            hint = (
+                f" (dataflow[{same[0]}] {topo.dataflow[same[0]].label} runs in the same stage "
+                f"{stage!r}: it hands weights over in process; drop this load_weights)"
+                if same
+                else "; add one, or feed load_weights from an op's outputs (inputs: [...])"
+            )
+            raise ConfigError(
+                f"dataflow[{i}]",
+                f"{op.label} has no inputs, so it receives weights straight from a step op "
+                f"`<actor>.reshard` hosted by another stage, and there is none{hint}",
+            )
+        if len(sources) > 1:
+            labels = ", ".join(f"dataflow[{j}] {topo.dataflow[j].label}" for j in sources)
+            raise ConfigError(
+                f"dataflow[{i}]",
+                f"{op.label} could receive weights from several reshard ops ({labels}); keep one",
+            )
+        by_source.setdefault(sources[0], []).append(i)
+    out = []
+    for j, loads in by_source.items():
+        src = topo.dataflow[j].role
+        src_stage = where[src]
+        targets = tuple(dict.fromkeys(topo.dataflow[i].role for i in loads))
+        receivers = tuple(
+            (role, where[role], r)
+            for role in targets
+            for r in range(topo.stages[where[role]].replicas)
+        )
+        devices = [topo.stages[src_stage].device_of(0)] + [
+            topo.stages[s].device_of(r) for _, s, r in receivers
+        ]
+        roles = topo.stages[src_stage].roles
+        out.append(
+            WeightLink(
+                source=src,
+                source_stage=src_stage,
+                reshard_op=j,
+                targets=targets,
+                load_ops=tuple(loads),
+                receivers=receivers,
+                tier="nccl" if all(d.startswith("cuda") for d in devices) else "shm",
+                local_too=any(
+                    (rc.kind or name) == "rollout" for name, rc in roles.items() if name != src
+                ),
+            )
+        )
+    return tuple(out)
+
+
+def sync_partners(topo: Topology) -> dict[int, set[int]]:
+    """op index -> the ops of its link it must NOT wait for in the step barrier (they run
+    together: the sender blocks until the receivers have loaded what it sent)."""
+    out: dict[int, set[int]] = {}
+    for link in links(topo):
+        for i in link.load_ops:
+            out.setdefault(i, set()).add(link.reshard_op)
+            out.setdefault(link.reshard_op, set()).add(i)
+    return out
+
+
+def describe_links(topo: Topology) -> list[dict[str, Any]]:
+    """For `hybridflow validate`: who sends weights to whom, and how."""
+    return [
+        {
+            "from": f"{link.source} ({link.source_stage}/0)",
+            "to": [f"{role} ({stage}/{r})" for role, stage, r in link.receivers],
+            "tier": link.tier,
+        }
+        for link in links(topo)
+    ]

@@ -1,0 +1,434 @@
+"""One stage replica: an OS process hosting one or more roles, driven by the coordinator.
+
+Life cycle (`StageState`):
+  CONNECTING  DEALER connects to the coordinator's ROUTER; Hello(stage, replica, pid, roles,
+              config hash, schema version) -> Welcome within liveness.startup_timeout_s
+  SETUP       roles built (`create_role`) and `Role.setup(StageContext)` run in the worker
+              thread while heartbeats go on (model loading may take minutes)
+  READY       tasks are run one at a time, in arrival order, in the worker thread
+  STOPPING    Shutdown received (or the parent died): roles closed, sockets closed, exit
+
+Concurrency: the asyncio loop owns the socket (receive, heartbeat, send); all role code
+runs in ONE worker thread, so heartbeats keep flowing while a role computes and roles need
+no locks. A task that raises becomes a `Failure` message carrying the traceback text; the
+process keeps serving until the coordinator says Shutdown.
+
+What a role gets in `StageContext.world`: `role` (its name), `kind`, `rank` (= replica)
+and `world_size` (= replicas of this stage), `init_method` (a tcp:// rendezvous for the
+stage's replicas, "" when there is one), `run_id`, and `dataflow`: op -> {inputs,
+outputs, scope} for every op of this role. `ctx.seed` is the run seed, the same in every
+stage (actor and reference build identical initial weights from it); derive per-purpose
+streams from it. `ctx.colocated` holds every role of this process (the hybrid engine's
+in-process hand-off); they are all constructed before any `setup`, in config order.
+
+Seeds: before any role exists, the process's global RNGs (torch, Python, NumPy) are
+seeded from (run seed, stage, replica), so code that draws from them is reproducible.
+Checkpoints (pipeline/checkpoint.py): the control op `checkpoint_save` is answered by
+the process itself (every role's state_dict + RNG written to the given directory); a
+payload with `resume_dir` restores roles and RNG right after setup. Log lines carry
+stage/replica and the step of the task being run.
+Disaggregated reshard (pipeline/weight_sync.py): when the topology links an actor's
+`reshard` to a `load_weights` in another stage, the process answers those two ops itself:
+weights stream stage to stage over the endpoint in the payload's `weight_sync`.
+
+Each task's `params` are the op's configured params plus `step`, `mb_id` and
+`policy_version` from the Task. Results carry `info["compute_s"]`, the seconds spent in
+`Role.handle`, which the coordinator reports per phase.
+
+Exit codes: 0 after Shutdown, 3 handshake rejected, 4 coordinator unreachable/gone,
+1 an unexpected exception (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.config.loader import config_hash, from_dict
+from hybridflow.config.schema import Topology
+from hybridflow.errors import HybridflowError
+from hybridflow.pipeline.checkpoint import store as checkpoint
+from hybridflow.pipeline.compiler.plan import role_ops
+from hybridflow.pipeline.host.weight_sync import StageWeightSync
+from hybridflow.stages import StageContext, create_role
+from hybridflow.stages.base import Role
+from hybridflow.transport.channel import Channel, Received
+from hybridflow.transport.liveness import Heartbeater
+from hybridflow.transport.protocol import (
+    Failure,
+    Hello,
+    Msg,
+    Result,
+    Shutdown,
+    Task,
+    Welcome,
+)
+
+log = logging.getLogger("hybridflow.stage")
+
+
+_current_step = "-"  # step of the task in the worker thread (shown in log lines)
+
+
+def _add_step(record: logging.LogRecord) -> bool:
+    record.step = _current_step
+    return True
+
+
+class StageState(enum.Enum):
+    CONNECTING = "connecting"
+    SETUP = "setup"
+    READY = "ready"
+    FAILED = "failed"  # setup raised; waiting for Shutdown
+    STOPPING = "stopping"
+
+
+def main(payload: dict[str, Any]) -> int:
+    """Entry point in the child (called by the launcher's bootstrap with plain data)."""
+    topo = from_dict(Topology, payload["topology"])
+    stage, replica = str(payload["stage"]), int(payload["replica"])
+    logging.basicConfig(
+        level=topo.log_level,
+        format=f"%(asctime)s %(levelname)s [{stage}/{replica} step %(step)s] %(name)s: %(message)s",
+        force=True,
+    )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_add_step)
+    checkpoint.seed_process(checkpoint.derive_seed(topo.seed, stage, replica))
+    proc = StageProcess(topo, stage, replica, payload)
+    code = asyncio.run(proc.run())
+    if proc.worker_stuck:
+        # The launcher's bootstrap leaves with os._exit, so a stuck worker thread does not
+        # keep the process alive; say that it was abandoned.
+        log.warning("worker thread still busy at exit; abandoning it")
+    return code
+
+
+class StageProcess:
+    def __init__(self, topo: Topology, stage: str, replica: int, payload: dict[str, Any]) -> None:
+        self.topo = topo
+        self.stage, self.replica = stage, replica
+        self.cfg = topo.stages[stage]
+        self.endpoint = str(payload["endpoint"])
+        self.run_id = str(payload["run_id"])
+        self.run_dir = Path(str(payload["run_dir"]))
+        self.init_method = str(payload.get("init_method", ""))
+        self.parent_pid = int(payload.get("parent_pid", os.getppid()))
+        self.resume_dir = str(payload.get("resume_dir") or "")
+        # Disaggregated reshard (weight_sync.py): endpoints the runner allocated, if any.
+        self.weight_sync_spec = dict(payload.get("weight_sync") or {})
+        self.weight_sync: StageWeightSync | None = None
+        self.kinds = {name: rc.kind or name for name, rc in self.cfg.roles.items()}
+        self.config_hash = config_hash(topo)
+        self.state = StageState.CONNECTING
+        self.roles: dict[str, Role] = {}
+        self.worker_stuck = False
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{stage}-{replica}-worker")
+        self._queue: asyncio.Queue[Received] = asyncio.Queue()
+        self._stop = asyncio.Event()
+        self._busy = False
+
+    # ------------------------------------------------------------------------------
+    async def run(self) -> int:
+        t = self.topo.transport
+        self.chan = Channel(
+            "dealer",
+            self.endpoint,
+            bind=False,
+            name=f"stage {self.stage}/{self.replica}",
+            run_id=self.run_id,
+            identity=f"{self.stage}/{self.replica}".encode(),
+            hwm=t.hwm,
+            shm_threshold=t.shm_threshold,
+        )
+        tasks: list[asyncio.Task[Any]] = []
+        try:
+            code = await self._handshake()
+            if code:
+                return code
+            self.state = StageState.SETUP
+            # Heartbeats never block: one the socket cannot take now is skipped, and the
+            # silence is what the coordinator detects.
+            self.heartbeat = Heartbeater(
+                self.chan,
+                stage=self.stage,
+                replica=self.replica,
+                interval_s=self.topo.liveness.heartbeat_interval_s,
+                state=self._state_name,
+            )
+            tasks.append(self.heartbeat.start())
+            tasks.append(asyncio.create_task(self._watch_parent(), name="stage.parent"))
+            tasks.append(asyncio.create_task(self._recv_loop(), name="stage.recv"))
+            # Setup may take minutes (model loading): a Shutdown meanwhile must not wait.
+            setup = asyncio.create_task(self._setup_roles(), name="stage.setup")
+            stop = asyncio.create_task(self._stop.wait(), name="stage.stop")
+            tasks += [setup, stop]
+            await asyncio.wait([setup, stop], return_when=asyncio.FIRST_COMPLETED)
+            if setup.done() and setup.result():
+                self.state = StageState.READY
+                self.heartbeat.beat()  # tell the coordinator at once, not one interval later
+                tasks.append(asyncio.create_task(self._work_loop(), name="stage.work"))
+            elif setup.done():
+                self.state = StageState.FAILED
+            await self._stop.wait()
+            return 0 if self.parent_alive() else 4
+        finally:
+            self.state = StageState.STOPPING
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._close_roles()
+            if self.weight_sync is not None:
+                await self.weight_sync.close()
+            self.chan.close()
+
+    async def _handshake(self) -> int:
+        hello = Hello(
+            stage=self.stage,
+            replica=self.replica,
+            pid=os.getpid(),
+            roles=list(self.cfg.roles),
+            config_hash=self.config_hash,
+        )
+        timeout = self.topo.liveness.startup_timeout_s
+        await self.chan.send(hello, timeout=timeout, timeout_setting="liveness.startup_timeout_s")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                rx = await self.chan.recv(
+                    timeout=max(0.0, deadline - time.monotonic()),
+                    timeout_setting="liveness.startup_timeout_s",
+                )
+            except HybridflowError as exc:
+                log.error("no Welcome from the coordinator: %s", exc)
+                return 4
+            if isinstance(rx.msg, Welcome):
+                if not rx.msg.accepted:
+                    log.error("coordinator rejected this stage: %s", rx.msg.reason)
+                    return 3
+                return 0
+            if isinstance(rx.msg, Shutdown):
+                return 4
+
+    async def _setup_roles(self) -> bool:
+        device = torch.device(self.cfg.device_of(self.replica))
+        try:  # connect weight-sync peers first: they meet while the models load
+            self.weight_sync = StageWeightSync.for_stage(
+                self.topo,
+                self.stage,
+                self.replica,
+                self.weight_sync_spec,
+                run_id=self.run_id,
+                config_hash=self.config_hash,
+            )
+            if self.weight_sync is not None:
+                await self.weight_sync.start()
+        except HybridflowError as exc:
+            await self._fail_setup("weight_sync", exc)
+            return False
+        for name, rc in self.cfg.roles.items():
+            try:
+                self.roles[name] = create_role(rc.kind or name, rc.backend)
+            except Exception as exc:  # import errors of a backend land here
+                await self._fail_setup(name, exc)
+                return False
+        for name, rc in self.cfg.roles.items():
+            ctx = StageContext(
+                stage=self.stage,
+                replica=self.replica,
+                device=device,
+                seed=self.topo.seed,
+                run_dir=self.run_dir,
+                options=dict(rc.options),
+                colocated=self.roles,
+                world={
+                    "role": name,
+                    "kind": rc.kind or name,
+                    "rank": self.replica,
+                    "world_size": self.cfg.replicas,
+                    "replicas": self.cfg.replicas,
+                    "init_method": self.init_method,  # "" unless replicas > 1
+                    "run_id": self.run_id,
+                    "dataflow": role_ops(self.topo, name),
+                },
+                log=logging.getLogger(f"hybridflow.stage.{name}"),
+            )
+            try:
+                await self._in_worker(self.roles[name].setup, ctx)
+            except Exception as exc:
+                await self._fail_setup(name, exc)
+                return False
+        if self.resume_dir:
+            try:
+                await self._in_worker(
+                    checkpoint.load_stage,
+                    self.roles,
+                    self.kinds,
+                    Path(self.resume_dir),
+                    self.stage,
+                    self.replica,
+                )
+            except Exception as exc:
+                await self._fail_setup("checkpoint", exc)
+                return False
+        log.info("ready: roles %s on %s", ", ".join(self.roles), device)
+        return True
+
+    async def _fail_setup(self, role: str, exc: BaseException) -> None:
+        log.error("setup of role %s failed: %s", role, exc)
+        await self._send(self._failure(-1, -1, -1, role, "setup", exc))
+
+    # ------------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        try:
+            while True:
+                rx = await self.chan.recv()
+                if isinstance(rx.msg, Task):
+                    self._queue.put_nowait(rx)
+                elif isinstance(rx.msg, Shutdown):
+                    log.info("shutdown: %s", rx.msg.reason or "requested")
+                    self._stop.set()
+                    return
+        except HybridflowError as exc:
+            log.error("receive failed, stopping: %s", exc)
+            self._stop.set()
+
+    async def _work_loop(self) -> None:
+        try:
+            while True:
+                rx = await self._queue.get()
+                await self._run_task(rx.msg, rx.tensors)  # type: ignore[arg-type]
+        except HybridflowError as exc:  # cannot even report: the coordinator is gone
+            log.error("cannot send to the coordinator, stopping: %s", exc)
+            self._stop.set()
+
+    async def _run_task(self, task: Task, batch: dict[str, torch.Tensor]) -> None:
+        role = self.roles.get(task.role)
+        params = dict(task.params)
+        params.update(step=task.step, mb_id=task.mb_id, policy_version=task.policy_version)
+        t0 = time.perf_counter()
+        global _current_step
+        _current_step = str(task.step)
+        try:
+            if task.op == checkpoint.SAVE_OP:  # a control op of the process, not a role's
+                outputs, metrics = (
+                    {},
+                    await self._in_worker(
+                        checkpoint.save_stage,
+                        self.roles,
+                        self.kinds,
+                        Path(str(params["dir"])),
+                        self.stage,
+                        self.replica,
+                        str(params.get("export") or ""),
+                    ),
+                )
+            elif role is None:
+                raise KeyError(f"role {task.role!r} is not hosted here (have {list(self.roles)})")
+            elif self.weight_sync is not None and self.weight_sync.handles(task):
+                # Disaggregated reshard: weights stream stage to stage, not via the role.
+                outputs, metrics = (
+                    {},
+                    await self.weight_sync.run(task, self.roles, params, self._in_worker),
+                )
+            else:
+                outputs, metrics = await self._in_worker(role.handle, task.op, batch, params)
+            result = Result(
+                run_id=task.run_id,
+                task_id=task.task_id,
+                step=task.step,
+                mb_id=task.mb_id,
+                policy_version=task.policy_version,
+                role=task.role,
+                op=task.op,
+                metrics={str(k): float(v) for k, v in metrics.items()},
+                info={"compute_s": time.perf_counter() - t0},
+            )
+            await self._send(result, outputs)
+        except Exception as exc:
+            log.error(
+                "%s.%s step %d mb %d failed: %r", task.role, task.op, task.step, task.mb_id, exc
+            )
+            await self._send(
+                self._failure(task.task_id, task.step, task.mb_id, task.role, task.op, exc)
+            )
+
+    async def _in_worker(self, fn: Any, *args: Any) -> Any:
+        self._busy = True
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._busy = False
+
+    # ------------------------------------------------------------------------------
+    def _state_name(self) -> str:
+        return "busy" if self._busy and self.state is StageState.READY else self.state.value
+
+    async def _watch_parent(self) -> None:
+        # PR_SET_PDEATHSIG already kills us with the parent on Linux; this covers the rest.
+        while self.parent_alive():
+            await asyncio.sleep(self.topo.liveness.heartbeat_interval_s)
+        log.error("parent process %d is gone; exiting", self.parent_pid)
+        self._stop.set()
+
+    def parent_alive(self) -> bool:
+        return os.getppid() == self.parent_pid
+
+    async def _send(self, msg: Msg, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        timeout = self.topo.liveness.heartbeat_timeout_s
+        await self.chan.send(
+            msg, tensors, timeout=timeout, timeout_setting="liveness.heartbeat_timeout_s"
+        )
+
+    def _failure(
+        self, task_id: int, step: int, mb_id: int, role: str, op: str, exc: BaseException
+    ) -> Failure:
+        return Failure(
+            stage=self.stage,
+            replica=self.replica,
+            task_id=task_id,
+            step=step,
+            mb_id=mb_id,
+            role=role,
+            op=op,
+            error_type=type(exc).__name__,
+            message=str(exc)[:4000],
+            traceback=_role_traceback(exc)[-16000:],
+        )
+
+    async def _close_roles(self) -> None:
+        timeout = self.topo.liveness.shutdown_timeout_s
+        for name, role in self.roles.items():
+            try:
+                await asyncio.wait_for(self._in_worker(role.close), timeout)
+            except TimeoutError:
+                self.worker_stuck = True
+                log.warning("role %s did not close within liveness.shutdown_timeout_s", name)
+                break
+            except Exception:
+                log.exception("role %s failed to close", name)
+        if not self.worker_stuck:
+            self._pool.shutdown(wait=False)
+
+
+def _role_traceback(exc: BaseException) -> str:
+    """The traceback from the role's code down: frames of the runtime's own plumbing
+    (this module, asyncio, the executor) say nothing to the user and are dropped."""
+    tb = exc.__traceback__
+    skip = (__file__, os.sep + "asyncio" + os.sep, os.sep + "concurrent" + os.sep)
+    while (
+        tb is not None
+        and tb.tb_next is not None
+        and any(s in tb.tb_frame.f_code.co_filename for s in skip)
+    ):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))

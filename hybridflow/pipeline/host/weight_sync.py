@@ -1,0 +1,251 @@
+"""Disaggregated weight sync: the actor's `reshard` streams its weights, bucket by bucket,
+straight to rollout stages in other processes, whose `load_weights` loads each bucket.
+
+When (derived from the topology, no setting): a step op `R.load_weights` with **no
+inputs**, hosted by another stage than a step op `A.reshard`. Then A's replica 0 sends to
+every replica of R's stage. (`reshard` with the rollout role in A's own process stays the
+in-process hand-off of stages/actor.py; `load_weights` with inputs stays a plain op fed by
+the coordinator.) The two ops of a link do not wait for each other in the step barrier
+(`sync_partners`): they run together and each waits for everything listed before it, so
+with max_offpolicy_steps = 0 the next rollout starts only after the last bucket landed,
+and with k > 0 the rollout keeps generating on the old weights until its `load_weights`
+task (queued behind those generates, in order) has loaded the new ones.
+
+How (weight_stream.py): the sending replica binds a ROUTER at the endpoint the runner
+allocated (`endpoints`, one per sending role, handed to every stage in its payload);
+each receiving replica connects a DEALER (identity `<role>@<stage>/<replica>`). Buckets
+go as `Weights(version, bucket, last)` messages with the tensors beside them (pooled
+shared memory on CPU, the NCCL tier when both ends are on CUDA), each acknowledged once
+loaded, at most WINDOW unacknowledged per receiver.
+
+Invariants:
+  - host memory in flight is bounded by buckets, never the whole model: a bucket holds
+    whole parameters up to the actor's `weight_bucket_mb`, the sender holds the next one
+    as views (no copy), and at most WINDOW buckets per receiver are sent and unacked;
+  - buckets of one version arrive in order 0..n-1 and end with `last`; anything else is a
+    `PipelineError` naming link, bucket and version, never a silent partial load;
+  - every wait is bounded by the op's `sync_timeout_s` param (default DEFAULT_TIMEOUT_S),
+    and a receiver process that dies mid-sync ends the sender's wait at once
+    (`PeerDeadError` naming it, the version and the bucket);
+  - roles never see a socket: the stage runtime (stage_process.py) calls this module, which
+    calls the sender's `weight_buckets()` and the receiver's `load_weights` op.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Protocol, cast
+
+from hybridflow.config.schema import Topology
+from hybridflow.errors import BatchError, PipelineError
+from hybridflow.pipeline.compiler.weight_links import (
+    WeightLink,
+    identity,
+    links,
+)
+from hybridflow.pipeline.host.weight_stream import (
+    DEFAULT_TIMEOUT_S,
+    WINDOW,
+    Bucket,
+    Metrics,
+    WeightReceiver,
+    WeightSender,
+)
+from hybridflow.transport.protocol import Task
+
+__all__ = ["DEFAULT_TIMEOUT_S", "WINDOW", "StageWeightSync", "WeightLink", "links"]
+
+TIMEOUT_PARAM = "sync_timeout_s"  # op param bounding every wait of one sync
+
+
+# ---------------------------------------------------------------------------------------
+# What the topology implies
+
+
+def endpoints(topo: Topology, coordinator_endpoint: str) -> dict[str, dict[str, Any]]:
+    """Allocate each link's endpoint (and NCCL rendezvous port): source role -> plain data
+    that the runner puts into every stage's payload. ipc runs use the run's ipc directory."""
+    out: dict[str, dict[str, Any]] = {}
+    host = topo.transport.host
+    for link in links(topo):
+        if coordinator_endpoint.startswith("ipc://"):
+            base = coordinator_endpoint[len("ipc://") :].rsplit("/", 1)[0]
+            endpoint = f"ipc://{base}/weights-{link.source}"
+        else:
+            endpoint = f"tcp://{host}:{_free_port(host)}"
+        port = _free_port(host) if link.tier == "nccl" else 0
+        out[link.source] = {"endpoint": endpoint, "nccl_port": port}
+    return out
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------
+# The stage runtime's side
+
+
+class WeightSource(Protocol):
+    """What a sending role offers (stages/actor.py `Actor`)."""
+
+    version: int
+
+    def weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[Bucket]: ...
+
+
+InWorker = Callable[..., Awaitable[Any]]
+
+
+class StageWeightSync:
+    """The weight-sync ends hosted by one stage replica; stage_process.py routes the
+    `reshard` / `load_weights` tasks of linked roles here instead of to `Role.handle`."""
+
+    def __init__(self) -> None:
+        self.senders: dict[str, tuple[WeightLink, WeightSender | None]] = {}  # source role
+        self.receivers: dict[str, tuple[WeightLink, WeightReceiver]] = {}  # target role
+
+    @classmethod
+    def for_stage(
+        cls,
+        topo: Topology,
+        stage: str,
+        replica: int,
+        allocated: dict[str, dict[str, Any]],
+        *,
+        run_id: str,
+        config_hash: str,
+    ) -> StageWeightSync | None:
+        found = [
+            link
+            for link in links(topo)
+            if stage in (link.source_stage, *(s for _, s, _ in link.receivers))
+        ]
+        if not found:
+            return None
+        self = cls()
+        device = topo.stages[stage].device_of(replica)
+        for link in found:
+            spec = allocated.get(link.source)
+            if spec is None:
+                raise PipelineError(f"weight sync: no endpoint allocated for role {link.source}")
+            endpoint, port = str(spec["endpoint"]), int(spec.get("nccl_port", 0))
+            name = f"weights {link.source}->{','.join(link.targets)}"
+            if link.source_stage == stage:
+                sender = None
+                if replica == 0:  # the other replicas hold the same weights (data parallel)
+                    sender = WeightSender(
+                        name,
+                        endpoint,
+                        link.identities,
+                        run_id=run_id,
+                        config_hash=config_hash,
+                        tier=link.tier,
+                        device=device,
+                        nccl_port=port,
+                    )
+                self.senders[link.source] = (link, sender)
+            for rank, (role, s, r) in enumerate(link.receivers, start=1):
+                if (s, r) == (stage, replica):
+                    self.receivers[role] = (
+                        link,
+                        WeightReceiver(
+                            f"{name} @{stage}/{replica}",
+                            endpoint,
+                            identity(role, s, r),
+                            stage=stage,
+                            replica=replica,
+                            role=role,
+                            run_id=run_id,
+                            config_hash=config_hash,
+                            tier=link.tier,
+                            rank=rank,
+                            world_size=1 + len(link.receivers),
+                            device=device,
+                            nccl_port=port,
+                        ),
+                    )
+        return self
+
+    async def start(self) -> None:
+        for _, sender in self.senders.values():
+            if sender is not None:
+                sender.start()
+        for _, receiver in self.receivers.values():
+            await receiver.start()
+
+    def handles(self, task: Task) -> bool:
+        return (task.op == "reshard" and task.role in self.senders) or (
+            task.op == "load_weights" and task.role in self.receivers
+        )
+
+    async def run(
+        self, task: Task, roles: dict[str, Any], params: dict[str, Any], in_worker: InWorker
+    ) -> Metrics:
+        timeout = float(params.get(TIMEOUT_PARAM) or DEFAULT_TIMEOUT_S)
+        if task.op == "reshard":
+            link, sender = self.senders[task.role]
+            setting = f"dataflow[{link.reshard_op}].params.{TIMEOUT_PARAM}"
+            return await self._send(link, sender, roles, params, in_worker, timeout, setting)
+        link, receiver = self.receivers[task.role]
+        setting = f"dataflow[{link.load_ops[link.targets.index(task.role)]}].params.{TIMEOUT_PARAM}"
+        role = roles[task.role]
+
+        async def load(bucket: Bucket, last: bool, version: int) -> Metrics:
+            _, metrics = await in_worker(
+                role.handle, "load_weights", bucket, {**params, "last": last, "version": version}
+            )
+            return dict(metrics)
+
+        return await receiver.pull(load, timeout=timeout, setting=setting)
+
+    async def _send(
+        self,
+        link: WeightLink,
+        sender: WeightSender | None,
+        roles: dict[str, Any],
+        params: dict[str, Any],
+        in_worker: InWorker,
+        timeout: float,
+        setting: str,
+    ) -> Metrics:
+        role = roles[link.source]
+        metrics: Metrics = {}
+        if link.local_too:  # a colocated rollout as well: the in-process hand-off first
+            _, local = await in_worker(role.handle, "reshard", {}, params)
+            metrics.update(local)
+        if sender is None:
+            return metrics
+        if not callable(getattr(role, "weight_buckets", None)):
+            raise BatchError(
+                f"role {link.source} ({type(role).__name__}) cannot send weights to "
+                f"{', '.join(link.targets)} in other stages: it has no weight_buckets()"
+            )
+        source = cast(WeightSource, role)
+        given = params.get("version")
+        version = int(given) if given is not None else int(source.version)
+        buckets = source.weight_buckets()
+        t_pull = 0.0
+
+        async def next_bucket() -> Bucket | None:
+            nonlocal t_pull
+            t = time.perf_counter()
+            # In the role's thread: a sharded actor may gather a bucket here.
+            got = await in_worker(next, buckets, None)
+            t_pull += time.perf_counter() - t
+            return got
+
+        metrics.update(await sender.push(next_bucket, version, timeout=timeout, setting=setting))
+        metrics["weight_sync/gather_s"] = t_pull
+        return metrics
+
+    async def close(self) -> None:
+        for _, sender in self.senders.values():
+            if sender is not None:
+                await sender.close()
+        for _, receiver in self.receivers.values():
+            await receiver.close()

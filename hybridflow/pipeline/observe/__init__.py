@@ -1,0 +1,1 @@
+"""Observability: metrics sinks (jsonl, TensorBoard), the console, the reward plot."""

@@ -1,0 +1,199 @@
+"""Metrics sinks: where each step's metrics go (`metrics.backends` in a topology).
+
+Per step the coordinator produces one flat dict: the mean of every metric the roles and
+driver ops returned for that step (over micro-batches and replicas), plus
+`timing/<phase>` (wall seconds from the phase's first dispatch to its last result in
+this step), `compute/<phase>`, `timing/step` and `policy_version` (the oldest policy that
+produced the step's samples), plus what `derive_step_metrics` adds:
+  reward/std          from reward/mean and reward/sq_mean (equal-sized micro-batches, so
+                      the step's std is exact); reward/sq_mean itself is dropped
+  perf/samples_per_s  run.step_batch / timing/step
+  perf/tokens_per_s   (prompt_length/mean + response_length/mean) * step_batch / timing/step
+                      (prompt and response tokens, verl's convention; with overlapping
+                      steps timing/step overlaps too, so this is a lower bound)
+
+A sink receives `write(step, metrics)` in step order, from the coordinator's io thread
+(never the event loop), and `close()` once, also after a failed run. Sinks are
+registered by name -> "module:Class" and built as `Class(run_dir)`, or as
+`Class(run_dir, topology=topo)` when the constructor takes a `topology` keyword (the
+console needs the step count). Sinks with `CLOSE_LAST = True` (the console, whose
+summary names the files the others wrote) are closed after the rest.
+
+Built-in sinks:
+  jsonl        <run_dir>/metrics.jsonl, one JSON object per step with `step`
+  tensorboard  TensorBoard event files in <run_dir> (`tensorboard --logdir runs`)
+  console      a rich progress bar over steps, one line of key metrics per step, and a
+               summary at the end (first/last 10% reward, the files written)
+  plot         <run_dir>/plot.png at the end: reward, response length and KL per step
+  memory       rows kept in memory (tests, benchmarks, the Python API)
+  null         discards everything
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from hybridflow.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hybridflow.config.schema import Topology
+
+StepMetrics = dict[str, float]
+
+
+class MetricsSink(Protocol):
+    def write(self, step: int, metrics: StepMetrics) -> None: ...
+    def close(self) -> None: ...
+
+
+SINKS: dict[str, str] = {
+    "jsonl": "hybridflow.pipeline.observe.metrics:JsonlSink",
+    "memory": "hybridflow.pipeline.observe.metrics:MemorySink",
+    "null": "hybridflow.pipeline.observe.metrics:NullSink",
+    "tensorboard": "hybridflow.pipeline.observe.metrics:TensorBoardSink",
+    "console": "hybridflow.pipeline.observe.console:ConsoleSink",
+    "plot": "hybridflow.pipeline.observe.plot:PlotSink",
+}
+
+
+def register_sink(name: str, target: str) -> None:
+    SINKS[name] = target
+
+
+def check_sinks(names: tuple[str, ...] | list[str]) -> None:
+    for i, name in enumerate(names):
+        if name not in SINKS:
+            raise ConfigError(
+                f"metrics.backends[{i}]",
+                f"unknown metrics backend {name!r}; known: {', '.join(sorted(SINKS))}",
+            )
+        if name in names[:i]:
+            raise ConfigError(f"metrics.backends[{i}]", f"{name!r} is listed twice")
+
+
+def make_sinks(
+    names: tuple[str, ...] | list[str],
+    run_dir: Path,
+    topology: Topology | None = None,
+    start_step: int = 0,
+) -> list[MetricsSink]:
+    """Build the named sinks, in order, except that CLOSE_LAST sinks go to the end.
+    Sinks that take `start_step` continue a resumed run's files instead of starting anew."""
+    check_sinks(names)
+    sinks = []
+    for name in names:
+        module, cls_name = SINKS[name].split(":")
+        cls = getattr(importlib.import_module(module), cls_name)
+        accepts = inspect.signature(cls).parameters
+        kwargs: dict[str, Any] = {}
+        if "topology" in accepts:
+            kwargs["topology"] = topology
+        if "start_step" in accepts:
+            kwargs["start_step"] = start_step
+        sinks.append(cls(run_dir, **kwargs))
+    return sorted(sinks, key=lambda s: bool(getattr(s, "CLOSE_LAST", False)))
+
+
+def derive_step_metrics(metrics: StepMetrics, step_batch: int) -> None:
+    """Add the derived per-step metrics (module docstring) to `metrics`, in place."""
+    if "reward/sq_mean" in metrics and "reward/mean" in metrics:
+        var = metrics.pop("reward/sq_mean") - metrics["reward/mean"] ** 2
+        metrics["reward/std"] = math.sqrt(max(var, 0.0))
+    step_s = metrics.get("timing/step", 0.0)
+    if step_s > 0:
+        metrics["perf/samples_per_s"] = step_batch / step_s
+        if "response_length/mean" in metrics:
+            per_sample = metrics["response_length/mean"] + metrics.get("prompt_length/mean", 0.0)
+            metrics["perf/tokens_per_s"] = per_sample * step_batch / step_s
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+class JsonlSink:
+    """`<run_dir>/metrics.jsonl`, one JSON object per step with `step` included.
+
+    A fresh run (start_step 0) overwrites the file; a run resumed at step r keeps the rows
+    of steps < r and continues after them, so the file reads as one unbroken run."""
+
+    def __init__(self, run_dir: Path, start_step: int = 0) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        kept: list[str] = []
+        if start_step > 0 and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a crash: the resumed run rewrites that step
+                step = row.get("step") if isinstance(row, dict) else None
+                if isinstance(step, int) and step < start_step:
+                    kept.append(line)
+        self._f = self.path.open("w")
+        self._f.writelines(line + "\n" for line in kept)
+
+    def write(self, step: int, metrics: StepMetrics) -> None:
+        # NaN/inf are not JSON; write them as null rather than emitting invalid lines.
+        row = {"step": step} | {k: (v if _finite(v) else None) for k, v in metrics.items()}
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardSink:
+    """TensorBoard event files in `<run_dir>`; one scalar per metric per step.
+
+    Event files of an earlier run with the same run directory are removed first (as
+    metrics.jsonl is overwritten), so TensorBoard never shows two runs as one."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for old in run_dir.glob("events.out.tfevents.*"):
+            old.unlink()
+        self.path = run_dir
+        self._w = SummaryWriter(log_dir=str(run_dir), flush_secs=10)
+
+    def write(self, step: int, metrics: StepMetrics) -> None:
+        for key, value in metrics.items():
+            if _finite(value):
+                self._w.add_scalar(key, value, global_step=step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class MemorySink:
+    """Keeps rows in memory (tests, benchmarks, the Python API)."""
+
+    def __init__(self, run_dir: Path | None = None) -> None:
+        self.rows: list[StepMetrics] = []
+
+    def write(self, step: int, metrics: StepMetrics) -> None:
+        self.rows.append({"step": float(step), **metrics})
+
+    def close(self) -> None:
+        pass
+
+
+class NullSink:
+    """Discards everything (benchmarks that measure the runtime alone)."""
+
+    def __init__(self, run_dir: Path | None = None) -> None:
+        pass
+
+    def write(self, step: int, metrics: StepMetrics) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,455 @@
+"""The coordinator: drives steps over the stage processes of one run (asyncio, one loop).
+
+Which loop waits for what, and who unblocks it:
+
+    stage processes ==(ROUTER socket)==> recv loop
+        Hello      -> Welcome (config hash + schema checked)     ready set grows
+        Heartbeat  -> liveness clock of that replica             "ready" -> all_ready?
+        Result     -> scheduler.complete()  --------------------> wake
+        Failure    -> StageError (remote traceback)  -----------> done (error)
+
+    data tasks     (io thread: DataSource.batch)  -> scheduler.add_data()   -> wake
+    driver tasks   (compute thread: driver op)    -> scheduler.complete()   -> wake
+
+    dispatch loop  waits on `wake`; then: request data, take every ready task from the
+                   scheduler (pipeline/scheduler.py holds all ordering rules), send
+                   Tasks / start driver tasks, hand finished steps to the metrics sinks
+                   (io thread), and resolves `done` after the last step.
+
+    liveness loop  every tick: launcher.poll() (a process exited -> StageDeadError) and
+                   heartbeat ages (> liveness.heartbeat_timeout_s -> StageDeadError);
+                   before all stages are ready, liveness.startup_timeout_s bounds setup
+                   (rules and messages: pipeline/peers.py).
+
+    checkpoint     (with a Checkpointer) after a due step finished: the scheduler holds
+                   the next step (`sched.hold`), every stage process answers a control
+                   Task `checkpoint_save` by writing its part, the io thread commits the
+                   directory (pipeline/checkpoint.py), the hold moves on -> wake. `done`
+                   waits for the last save.
+
+    run()          waits for `done` (result or error); teardown: cancel loops, gather.
+
+Invariants: the event loop never computes (data sources, driver ops, sinks run in
+threads); every wait has a bound named in its error; the first error wins and ends the
+run; `policy_version` on every Task is the scheduler's version at dispatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.errors import (
+    HybridflowError,
+    PeerDeadError,
+    PipelineError,
+    StageError,
+)
+from hybridflow.pipeline.checkpoint.store import SAVE_OP, Checkpointer, load_drivers, save_drivers
+from hybridflow.pipeline.compiler.plan import Plan
+from hybridflow.pipeline.driver.registry import resolve_driver_op
+from hybridflow.pipeline.observe.metrics import MetricsSink
+from hybridflow.pipeline.runtime.launcher import Launcher
+from hybridflow.pipeline.runtime.peers import StagePeer, check_liveness
+from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Dispatch, Event, Scheduler
+from hybridflow.pipeline.sources.registry import DataSource
+from hybridflow.transport.channel import Channel, Received
+from hybridflow.transport.protocol import Failure, Heartbeat, Hello, Result, Shutdown, Task, Welcome
+
+log = logging.getLogger("hybridflow.coordinator")
+
+CONTROL_TASK_BASE = 1 << 40  # task ids of control tasks (checkpoints): never a scheduler id
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    metrics: list[dict[str, float]]  # one row per step, in step order
+    events: list[Event]
+    collected: dict[int, dict[str, list[torch.Tensor]]]  # step -> value -> per-mb tensors
+    startup_s: float  # launch until every stage was ready
+    wall_s: float  # first step started -> last step finished
+    coordinator_cpu_s: float  # this process's CPU time over wall_s
+    tasks: int  # tasks completed (a step op on N replicas counts N)
+    exits: list[Any] = field(default_factory=list)  # launcher ProcessExit list
+    checkpoints: list[str] = field(default_factory=list)  # directories committed, in order
+
+
+class Coordinator:
+    def __init__(
+        self,
+        plan: Plan,
+        channel: Channel,
+        launcher: Launcher,
+        source: DataSource,
+        sinks: list[MetricsSink],
+        *,
+        run_id: str,
+        collect: tuple[str, ...] = (),
+        start_step: int = 0,
+        checkpointer: Checkpointer | None = None,
+        resume_dir: str | None = None,
+    ) -> None:
+        self.plan = plan
+        self.topo = plan.topology
+        self.chan = channel
+        self.launcher = launcher
+        self.source = source
+        self.sinks = sinks
+        self.run_id = run_id
+        self.sched = Scheduler(plan, start_step=start_step)
+        self.sched.collect = collect
+        self.checkpointer = checkpointer
+        self.checkpoints: list[str] = []  # directories committed by this run
+        self._saving = 0  # checkpoints in progress
+        self._control: dict[int, asyncio.Future[None]] = {}
+        self._next_control = CONTROL_TASK_BASE
+        if checkpointer is not None:
+            self.sched.hold = checkpointer.next_due(start_step) + 1
+        self.peers = {p.name.encode(): StagePeer(p) for p in plan.processes}
+        self.metrics: list[dict[str, float]] = []
+        self.tasks_done = 0
+        self._drivers = {
+            op.index: resolve_driver_op(
+                op.cfg.op, f"dataflow[{op.index}].op", topology=self.topo, index=op.index
+            )
+            for op in plan.ops
+            if op.stage is None
+        }
+        if resume_dir:  # driver ops with state (e.g. an adaptive KL coefficient)
+            load_drivers(self._drivers, Path(resume_dir))
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="coordinator-compute")
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="coordinator-io")
+        self._wake = asyncio.Event()
+        self._sink_writes: list[asyncio.Future[Any]] = []
+        self._aux: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------------------
+    async def run(self) -> RunResult:
+        loop = asyncio.get_running_loop()
+        self._done: asyncio.Future[None] = loop.create_future()
+        self._all_ready: asyncio.Future[None] = loop.create_future()
+        t_launch = time.perf_counter()
+        self._t_launch_mono = loop.time()
+        loops = [
+            self._task(self._recv_loop(), "coordinator.recv"),
+            self._task(self._liveness_loop(), "coordinator.liveness"),
+        ]
+        try:
+            await asyncio.wait([self._all_ready, self._done], return_when=asyncio.FIRST_COMPLETED)
+            if self._done.done():
+                self._done.result()  # raises the startup error
+            startup_s = time.perf_counter() - t_launch
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            loops.append(self._task(self._dispatch_loop(), "coordinator.dispatch"))
+            self._wake.set()
+            await self._done
+            wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+            await asyncio.gather(*self._sink_writes)
+        finally:
+            for task in [*loops, *self._aux]:
+                task.cancel()
+            await asyncio.gather(*loops, *self._aux, return_exceptions=True)
+            self._compute.shutdown(wait=False, cancel_futures=True)
+            self._io.shutdown(wait=False, cancel_futures=True)
+        return RunResult(
+            run_id=self.run_id,
+            metrics=self.metrics,
+            events=self.sched.events,
+            collected=self.sched.collected,
+            startup_s=startup_s,
+            wall_s=wall_s,
+            coordinator_cpu_s=cpu_s,
+            tasks=self.tasks_done,
+            checkpoints=self.checkpoints,
+        )
+
+    async def shutdown(self, reason: str) -> None:
+        """Tell every connected stage to exit. Best effort: a dead peer is skipped."""
+        for ident, peer in self.peers.items():
+            if not peer.connected:
+                continue
+            try:
+                await self.chan.send(Shutdown(reason=reason), to=ident, timeout=1.0)
+            except HybridflowError as exc:
+                log.debug("shutdown to %s not delivered: %s", peer.info.name, exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._done.done():
+            self._done.set_exception(exc)
+
+    def _task(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """A named task whose unexpected death ends the run (never a silent hang)."""
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        if not isinstance(exc, HybridflowError):
+            log.error("coordinator task %s crashed", task.get_name(), exc_info=exc)
+            exc = PipelineError(f"coordinator task {task.get_name()} crashed: {exc!r}")
+        self._fail(exc)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = self._task(coro, name)
+        self._aux.add(task)
+        task.add_done_callback(self._aux.discard)
+
+    # -- receiving -----------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        try:
+            while True:
+                rx = await self.chan.recv()
+                peer = self.peers.get(rx.peer or b"")
+                if peer is None:
+                    log.warning("message from unknown peer %r dropped", rx.peer)
+                    continue
+                peer.last_seen = asyncio.get_running_loop().time()
+                await self._on_message(peer, rx)
+        except HybridflowError as exc:
+            self._fail(exc)
+
+    async def _on_message(self, peer: StagePeer, rx: Received) -> None:
+        msg = rx.msg
+        if isinstance(msg, Result):
+            if msg.run_id != self.run_id:
+                log.warning("result of run %s dropped (this run is %s)", msg.run_id, self.run_id)
+                return
+            waiter = self._control.pop(msg.task_id, None)
+            if waiter is not None:  # a control task (checkpoint), not the scheduler's
+                peer.answered(msg.task_id)
+                if not waiter.done():
+                    waiter.set_result(None)
+                return
+            self.tasks_done += 1
+            peer.answered(msg.task_id)
+            compute_s = msg.info.get("compute_s", 0.0)
+            self.sched.complete(
+                msg.task_id,
+                peer.info.replica,
+                rx.tensors,
+                msg.metrics,
+                float(compute_s) if isinstance(compute_s, (int, float)) else 0.0,
+            )
+            self._wake.set()
+        elif isinstance(msg, Heartbeat):
+            if msg.state in ("ready", "busy") and not peer.ready:
+                peer.ready = True
+                log.info("%s ready", peer.info.name)
+                if all(p.ready for p in self.peers.values()) and not self._all_ready.done():
+                    self._all_ready.set_result(None)
+        elif isinstance(msg, Failure):
+            self._fail(self._stage_error(peer, msg))
+        elif isinstance(msg, Hello):
+            await self._welcome(peer, rx.peer or b"", msg)
+
+    async def _welcome(self, peer: StagePeer, ident: bytes, hello: Hello) -> None:
+        info = peer.info
+        reason = ""
+        if (hello.stage, hello.replica) != (info.stage, info.replica):
+            reason = f"identity {info.name} but Hello says {hello.stage}/{hello.replica}"
+        elif hello.config_hash != self.plan.config_hash:
+            reason = (
+                f"config hash {hello.config_hash} differs from the coordinator's "
+                f"{self.plan.config_hash}; every process must run the same topology"
+            )
+        await self.chan.send(
+            Welcome(run_id=self.run_id, accepted=not reason, reason=reason), to=ident
+        )
+        if reason:
+            self._fail(
+                PipelineError(f"stage {info.stage} replica {info.replica} rejected: {reason}")
+            )
+            return
+        peer.pid, peer.connected = hello.pid, True
+
+    def _stage_error(self, peer: StagePeer, f: Failure) -> StageError:
+        where = (
+            "during setup"
+            if f.op == "setup"
+            else f"in {f.role}.{f.op} at step {f.step} micro-batch {f.mb_id}"
+        )
+        return StageError(
+            f"stage {f.stage} replica {f.replica} failed {where}: {f.error_type}: {f.message}",
+            stage=f.stage,
+            replica=f.replica,
+            step=f.step if f.step >= 0 else None,
+            mb_id=f.mb_id if f.step >= 0 else None,
+            remote_traceback=f.traceback,
+        )
+
+    # -- dispatching -----------------------------------------------------------------
+    async def _dispatch_loop(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                for step in self.sched.data_requests():
+                    self._spawn(self._fetch(step), f"coordinator.data.{step}")
+                for d in self.sched.ready():
+                    if d.op.stage is None:
+                        self._spawn(self._run_driver(d), f"coordinator.driver.{d.task_id}")
+                    else:
+                        await self._send_task(d)
+                self._flush_finished()
+                if self.sched.done and not self._saving:
+                    if not self._done.done():
+                        self._done.set_result(None)
+                    return
+        except HybridflowError as exc:
+            self._fail(exc)
+
+    async def _send_task(self, d: Dispatch) -> None:
+        op = d.op.cfg
+        task = Task(
+            run_id=self.run_id,
+            task_id=d.task_id,
+            step=d.step,
+            mb_id=d.mb_id,
+            policy_version=d.policy_version,
+            role=op.role,
+            op=op.op,
+            params=dict(op.params),
+        )
+        for r in d.replicas:
+            ident = f"{d.op.stage}/{r}".encode()
+            peer = self.peers[ident]
+            peer.given(d.task_id, (op.label, d.step, d.mb_id))
+            try:
+                await self.chan.send(task, d.inputs, to=ident)
+            except PeerDeadError:
+                # The process is gone: give the liveness loop a moment to report it with
+                # its exit status (a better message than "not connected").
+                await asyncio.sleep(0.5)
+                raise
+
+    async def _fetch(self, step: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            batch = await loop.run_in_executor(
+                self._io, self.source.batch, step, self.topo.run.step_batch
+            )
+            self.sched.add_data(step, batch)
+        except HybridflowError as exc:
+            self._fail(exc)
+        except Exception as exc:
+            self._fail(
+                PipelineError(
+                    f"data source {self.topo.data.source!r} failed for step {step}: {exc!r}"
+                )
+            )
+        self._wake.set()
+
+    async def _run_driver(self, d: Dispatch) -> None:
+        loop = asyncio.get_running_loop()
+        params = dict(d.op.cfg.params, step=d.step, mb_id=d.mb_id, policy_version=d.policy_version)
+        t0 = time.perf_counter()
+        try:
+            outputs, metrics = await loop.run_in_executor(
+                self._compute, self._drivers[d.op.index], d.inputs, params
+            )
+            self.sched.complete(
+                d.task_id, DRIVER_REPLICA, outputs, metrics, time.perf_counter() - t0
+            )
+            self.tasks_done += 1
+        except HybridflowError as exc:
+            self._fail(exc)
+        except Exception as exc:
+            self._fail(
+                StageError(
+                    f"driver op {d.op.cfg.op} failed at step {d.step} micro-batch {d.mb_id}: "
+                    f"{type(exc).__name__}: {exc}",
+                    stage="driver",
+                    step=d.step,
+                    mb_id=d.mb_id,
+                    remote_traceback="".join(traceback.format_exception(exc)),
+                )
+            )
+        self._wake.set()
+
+    def _flush_finished(self) -> None:
+        loop = asyncio.get_running_loop()
+        for step, metrics in self.sched.pop_finished():
+            self.metrics.append({"step": float(step), **metrics})
+            log.info("step %d done in %.3fs", step, metrics["timing/step"])
+            for sink in self.sinks:
+                self._sink_writes.append(loop.run_in_executor(self._io, sink.write, step, metrics))
+            if self.checkpointer is not None and self.checkpointer.due(step):
+                self._saving += 1
+                self._spawn(self._checkpoint(step), f"coordinator.checkpoint.{step}")
+
+    # -- checkpoints -----------------------------------------------------------------
+    async def _checkpoint(self, step: int) -> None:
+        """Every stage process writes its part, then the directory is committed."""
+        ck = self.checkpointer
+        assert ck is not None
+        loop = asyncio.get_running_loop()
+        tmp = await loop.run_in_executor(self._io, ck.begin, step)
+        final = step == ck.last_step and ck.cfg.export_final
+        params = {"dir": str(tmp), "export": str(tmp / "policy") if final else ""}
+        waits = []
+        for ident, peer in self.peers.items():
+            task_id = self._next_control
+            self._next_control += 1
+            fut: asyncio.Future[None] = loop.create_future()
+            self._control[task_id] = fut
+            waits.append(fut)
+            task = Task(
+                run_id=self.run_id,
+                task_id=task_id,
+                step=step,
+                mb_id=-1,
+                policy_version=self.sched.policy_version,
+                role=peer.info.roles[0],
+                op=SAVE_OP,
+                params=params,
+            )
+            peer.given(task_id, (SAVE_OP, step, -1))
+            await self.chan.send(task, to=ident)
+        await asyncio.gather(*waits)
+        # The next step is held: no driver op runs while its state is written.
+        await loop.run_in_executor(self._io, save_drivers, self._drivers, tmp)
+        meta = ck.meta(step, self.plan.topology, self.sched.policy_version)
+        try:
+            path = await loop.run_in_executor(self._io, ck.commit, tmp, meta)
+        except OSError as exc:
+            raise PipelineError(f"checkpoint after step {step} not committed: {exc}") from exc
+        self.checkpoints.append(str(path))
+        log.info("checkpoint after step %d: %s", step, path)
+        if step < ck.last_step:
+            self.sched.hold = ck.next_due(step + 1) + 1
+        self._saving -= 1
+        self._wake.set()
+
+    # -- liveness ------------------------------------------------------------------
+    async def _liveness_loop(self) -> None:
+        live = self.topo.liveness
+        tick = min(0.1, live.heartbeat_interval_s / 2)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(tick)
+            dead = check_liveness(
+                self.peers,
+                self.launcher.poll(),
+                loop.time(),
+                live,
+                started_at=self._t_launch_mono,
+                all_ready=self._all_ready.done(),
+            )
+            if dead is not None:
+                peer, error = dead
+                if peer is not None:  # free what the channel holds for it, sweep its shm
+                    self.chan.forget_peer(peer.ident, peer.pid or None)
+                self._fail(error)
+                return

@@ -1,0 +1,210 @@
+"""Process placement behind a small interface: start specs, watch them, stop them.
+
+`Launcher` is the seam between the coordinator and wherever stage processes run. The
+`LocalLauncher` starts one fresh Python interpreter per spec on this host (fork+exec:
+nothing of the parent's state survives, so CUDA works; and unlike multiprocessing's
+spawn, the parent's `__main__` is never re-imported, so any script may start a run
+without an `if __name__ == "__main__"` guard). A
+multi-host launcher (on an existing cluster engine) implements the same four methods;
+the coordinator never learns which.
+
+Invariants of the LocalLauncher:
+  - the payload reaches the child as JSON on its stdin: plain data, nothing executable;
+  - a child never outlives this process: PR_SET_PDEATHSIG(SIGKILL) is armed first thing
+    in the child, which then checks the parent did not die before that (the stage also
+    watches its parent pid in its heartbeat loop);
+  - children ignore SIGINT: Ctrl-C in a terminal reaches the whole process group, and
+    the coordinator alone decides the teardown order;
+  - `stop()` is idempotent and escalates: wait (the caller sent Shutdown already) ->
+    SIGTERM -> SIGKILL, then reaps every child, so nothing is left, not even a zombie;
+  - a child shows as `hf-<stage>-<replica>` in `ps -o comm` / top (/proc/<pid>/comm) and
+    as `python -m hybridflow.pipeline.runtime.launcher <stage>/<replica> <run_id>` in `ps aux`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import importlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+_PR_SET_NAME = 15
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str  # "<stage>/<replica>", unique per run
+    target: str  # "module:function" called in the child with `payload`; returns exit code
+    payload: dict[str, Any]  # plain data only
+    title: str = ""  # short OS-visible name (<= 15 bytes shown), e.g. "hf-reward-0"
+    env: dict[str, str] = field(default_factory=dict)  # set in the child before the import
+
+
+@dataclass(frozen=True)
+class ProcessExit:
+    name: str
+    pid: int
+    exitcode: int | None  # None: still running; < 0: killed by signal -exitcode
+
+    def describe(self) -> str:
+        if self.exitcode is None:
+            return "is running"
+        if self.exitcode < 0:
+            try:
+                sig = signal.Signals(-self.exitcode).name
+            except ValueError:
+                sig = f"signal {-self.exitcode}"
+            return f"was killed by {sig}"
+        return f"exited with code {self.exitcode}"
+
+
+class Launcher(Protocol):
+    def start(self, specs: Sequence[ProcessSpec]) -> None:
+        """Start every spec; returns once the processes exist (not once they are ready)."""
+
+    def pids(self) -> dict[str, int]: ...
+
+    def poll(self) -> list[ProcessExit]:
+        """Every started process that has exited, without blocking."""
+        ...
+
+    def stop(self, timeout: float) -> list[ProcessExit]:
+        """Make sure every process is gone (wait up to `timeout`, then TERM, then KILL)."""
+        ...
+
+
+class LocalLauncher:
+    """One OS process (a fresh interpreter) per spec on this host."""
+
+    def __init__(self) -> None:
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, specs: Sequence[ProcessSpec]) -> None:
+        # The child imports the same hybridflow as this process, wherever it came from.
+        root = str(Path(__file__).resolve().parents[3])  # the dir holding hybridflow/
+        for spec in specs:
+            if spec.name in self._procs:
+                raise ValueError(f"process {spec.name!r} started twice")
+            env = dict(os.environ)
+            env.update(spec.env)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+            run = str(spec.payload.get("run_id", ""))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "hybridflow.pipeline.runtime.launcher", spec.name, run],
+                stdin=subprocess.PIPE,
+                env=env,
+                close_fds=True,
+            )
+            self._procs[spec.name] = proc
+            header = {
+                "target": spec.target,
+                "payload": spec.payload,
+                "parent_pid": os.getpid(),
+                "title": spec.title,
+            }
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(json.dumps(header).encode())
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass  # the child died at once; poll() reports it
+            log.debug("started %s pid %d", spec.name, proc.pid)
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self._procs.items()}
+
+    def poll(self) -> list[ProcessExit]:
+        # Popen.poll reaps with waitpid(WNOHANG): cheap enough for a 10 Hz watchdog.
+        return [
+            ProcessExit(name, p.pid, p.returncode)
+            for name, p in self._procs.items()
+            if p.poll() is not None
+        ]
+
+    def stop(self, timeout: float) -> list[ProcessExit]:
+        procs = list(self._procs.items())
+        deadline = time.monotonic() + max(0.0, timeout)
+        for _, p in procs:
+            _wait(p, deadline - time.monotonic())
+        for sig_name, method, wait in (("SIGTERM", "terminate", 2.0), ("SIGKILL", "kill", 5.0)):
+            alive = [(n, p) for n, p in procs if p.poll() is None]
+            if not alive:
+                break
+            log.warning("%s to %s", sig_name, ", ".join(n for n, _ in alive))
+            for _, p in alive:
+                getattr(p, method)()
+            end = time.monotonic() + wait
+            for _, p in alive:
+                _wait(p, end - time.monotonic())
+        self._procs.clear()
+        return [ProcessExit(n, p.pid, p.returncode) for n, p in procs]
+
+
+def _wait(p: subprocess.Popen[bytes], seconds: float) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.wait(max(0.0, seconds))
+
+
+# ---------------------------------------------------------------------------------------
+# In the child: `python -m hybridflow.pipeline.runtime.launcher NAME RUN_ID` with JSON on stdin
+
+
+def _child_main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    header = json.loads(sys.stdin.buffer.read())
+    sys.stdin.close()
+    if os.getppid() != header["parent_pid"]:  # the parent died before PDEATHSIG was armed
+        os._exit(1)
+    if header.get("title"):
+        set_process_name(header["title"])
+    module, func = header["target"].split(":")
+    code = 1
+    try:
+        code = int(getattr(importlib.import_module(module), func)(header["payload"]) or 0)
+    except BaseException:
+        logging.getLogger("hybridflow.stage").exception("stage process failed")
+    finally:
+        # Like multiprocessing's children, leave with os._exit: the target released its
+        # resources itself (roles, sockets, shm), and interpreter finalization of the
+        # native libraries (zmq, torch) was seen to spin forever now and then.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def set_process_name(title: str) -> None:
+    """The name shown by `ps -o comm`, `top` and /proc/<pid>/comm (Linux keeps 15 bytes)."""
+    _prctl(_PR_SET_NAME, ctypes.create_string_buffer(title.encode()[:15]))
+
+
+_libc: Any = None
+
+
+def _prctl(option: int, arg: Any) -> None:
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if _libc.prctl(option, arg, 0, 0, 0) != 0:
+        log.warning("prctl(%d) failed: errno %d", option, ctypes.get_errno())
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -1,0 +1,108 @@
+"""What the coordinator knows about each stage replica, and when that means "dead".
+
+`StagePeer` is bookkeeping only: handshake state, last time anything arrived, the tasks
+sent and not yet answered (oldest first: the one it is working on). `check_liveness`
+turns that plus the launcher's exit reports into the run's error, or None:
+
+  - a process exited (kill -9, crash, early exit)      -> StageDeadError with its exit status
+  - a connected stage silent > heartbeat_timeout_s     -> StageDeadError naming the setting
+  - not every stage ready by startup_timeout_s         -> StageDeadError listing who is late
+Every message names stage, replica, pid and what it was doing (op, step, micro-batch).
+The coordinator's liveness loop calls it on a short tick; it never blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.config.schema import LivenessConfig
+from hybridflow.errors import StageDeadError
+from hybridflow.pipeline.compiler.plan import ProcessInfo
+from hybridflow.pipeline.runtime.launcher import ProcessExit
+
+TaskRef = tuple[str, int, int]  # (op label, step, mb_id); mb_id -1 for a step op
+
+
+@dataclass
+class StagePeer:
+    info: ProcessInfo
+    pid: int = 0
+    connected: bool = False  # Hello accepted
+    ready: bool = False  # setup done (a "ready"/"busy" heartbeat arrived)
+    last_seen: float = 0.0  # loop clock of the last message from it
+    inflight: dict[int, TaskRef] = field(default_factory=dict)  # task_id -> task, send order
+    last_given: TaskRef | None = None
+
+    @property
+    def ident(self) -> bytes:
+        return self.info.name.encode()
+
+    def given(self, task_id: int, task: TaskRef) -> None:
+        self.inflight[task_id] = self.last_given = task
+
+    def answered(self, task_id: int) -> None:
+        self.inflight.pop(task_id, None)
+
+    def doing(self) -> str:
+        """What this stage was doing, for an error message."""
+        if self.inflight:
+            tasks = [task_text(t) for t in self.inflight.values()]
+            queued = f" (queued: {', '.join(tasks[1:])})" if len(tasks) > 1 else ""
+            return f"while running {tasks[0]}{queued}"
+        if self.last_given:
+            return f"while idle; its last task was {task_text(self.last_given)}"
+        return "before it was given any task"
+
+    def where(self) -> dict[str, Any]:
+        cur = next(iter(self.inflight.values()), self.last_given)
+        step, mb = (cur[1], cur[2]) if cur else (None, None)
+        return {"stage": self.info.stage, "replica": self.info.replica, "step": step, "mb_id": mb}
+
+    def name(self, pid: int | None = None) -> str:
+        return f"stage {self.info.stage} replica {self.info.replica} (pid {pid or self.pid})"
+
+
+def task_text(t: TaskRef) -> str:
+    label, step, mb = t
+    return f"{label} step {step} " + ("(step op)" if mb < 0 else f"micro-batch {mb}")
+
+
+def check_liveness(
+    peers: dict[bytes, StagePeer],
+    exits: Iterable[ProcessExit],
+    now: float,
+    live: LivenessConfig,
+    *,
+    started_at: float,
+    all_ready: bool,
+) -> tuple[StagePeer | None, StageDeadError] | None:
+    """The first dead/silent/late stage as (peer, error), or None if all is well.
+    `exits`: processes the launcher saw exit; `now`/`started_at`: the loop clock."""
+    for ex in exits:
+        peer = peers[ex.name.encode()]
+        peer.pid = peer.pid or ex.pid  # it may have died before its Hello
+        text = f"{peer.name(ex.pid)} {ex.describe()} {peer.doing()}"
+        return peer, StageDeadError(text, **peer.where())
+    for peer in peers.values():
+        silent = now - peer.last_seen
+        if peer.connected and silent > live.heartbeat_timeout_s:
+            text = (
+                f"{peer.name()} sent nothing for {silent:.1f}s {peer.doing()}; "
+                f"liveness.heartbeat_timeout_s = {live.heartbeat_timeout_s} bounds this wait "
+                "(raise it if the stage blocks its event loop)"
+            )
+            return peer, StageDeadError(text, **peer.where())
+    if not all_ready and now - started_at > live.startup_timeout_s:
+        late = [
+            f"{p.info.name} ({'setting up' if p.connected else 'never connected'})"
+            for p in peers.values()
+            if not p.ready
+        ]
+        text = (
+            f"stages not ready within liveness.startup_timeout_s = "
+            f"{live.startup_timeout_s}s: {', '.join(late)}"
+        )
+        return None, StageDeadError(text)
+    return None

@@ -1,0 +1,453 @@
+"""The coordinator's state machine: which task may run now, and where. No I/O, no asyncio.
+
+Consumes data batches (`add_data`) and task completions (`complete`); produces
+`Dispatch`es (`ready()`), finished steps with their metrics (`pop_finished()`) and an
+event log (`events`). The coordinator does all the I/O around it, so every ordering rule
+below is unit-testable without processes.
+
+A task is (step s, op j, micro-batch m) — or (s, j, -1) for a step op. It is dispatched
+when all of these hold (checked in this order, cheapest first):
+  1. step s has started: its data is in and `policy_version >= s - max_offpolicy_steps`
+     (k = 0: step s starts only after step s-1 finished, i.e. after its reshard);
+  2. its inputs exist: producers done for micro-batch m (or for the whole step, for
+     values made by step ops); a step op waits for every op listed before it (barrier);
+  3. order: micro-batches of an op go out in mb_id order, and step s of an op only after
+     step s-1 of that op went out — so train ops see micro-batches in order;
+  4. role order across steps: a non-head op of role R in step s waits until R's step ops
+     of step s-1 (optimizer step, reshard, weight load) are done. Head ops (rollout) are
+     exempt: they are bounded by rule 1 instead — that is what k > 0 buys;
+  5. sequential mode: every op of an earlier phase is done for the whole step;
+  6. capacity: a micro-batch op goes to the replica of its stage with the fewest tasks in
+     flight (ties: lowest index) that has < `max_inflight`; a head op skips replicas with
+     a step op in flight (so its `policy_version` stamp is exact); a step op goes to every
+     replica at once (each must have room; while it waits, its stage takes no new
+     micro-batch work, so a rollout running ahead cannot starve the reshard); driver ops
+     (stage None) always have room.
+A step op's outputs come from its lowest replica. Steps finish in order; finishing step
+s (all its ops done) sets `policy_version = s + 1`.
+
+Resuming (`start_step = r`): steps r, r+1, ... run as if steps 0..r-1 had finished
+(`policy_version = r`). `hold = h` (set by the coordinator while it checkpoints) keeps
+steps >= h from starting, so a checkpoint sees every role between two steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from hybridflow.errors import PipelineError, StageError
+from hybridflow.pipeline.compiler.plan import DATA, Plan, PlannedOp
+from hybridflow.pipeline.observe.metrics import derive_step_metrics
+
+Batch = dict[str, torch.Tensor]
+DRIVER_REPLICA = -1
+MAX_EVENTS = 2_000_000  # ~100 B each: a long run's log stays bounded (recording just stops)
+
+
+class Event(NamedTuple):
+    t: float  # clock seconds
+    kind: str  # "start" | "dispatch" | "done" | "finish"
+    step: int
+    mb_id: int  # -1: step-level
+    op: int  # op index, -1 for start/finish
+    replica: int  # -1: all replicas / driver / n.a.
+    policy_version: int
+    compute_s: float = 0.0  # "done": seconds the stage spent in Role.handle
+
+
+@dataclass
+class Dispatch:
+    task_id: int
+    step: int
+    mb_id: int
+    op: PlannedOp
+    replicas: tuple[int, ...]  # () for a driver op
+    inputs: Batch
+    policy_version: int
+
+
+@dataclass
+class _Task:
+    step: int
+    mb_id: int
+    op: PlannedOp
+    replicas: tuple[int, ...]
+    pending: set[int]
+    outputs: Batch | None = None
+
+
+@dataclass
+class _Step:
+    step: int
+    n_mb: int
+    n_ops: int
+    t_start: float
+    data: Batch
+    mb_values: list[Batch] = field(default_factory=list)
+    step_values: Batch = field(default_factory=dict)
+    next_mb: list[int] = field(default_factory=list)  # dispatch pointer per op
+    done: list[int] = field(default_factory=list)  # finished mbs per op (step ops: 0/1)
+    mb_done: list[list[bool]] = field(default_factory=list)
+    metric_sum: dict[str, float] = field(default_factory=dict)
+    metric_n: dict[str, int] = field(default_factory=dict)
+    phase_t0: dict[str, float] = field(default_factory=dict)
+    phase_t1: dict[str, float] = field(default_factory=dict)
+    compute: dict[str, float] = field(default_factory=dict)
+    head_versions: list[int] = field(default_factory=list)
+    ops_left: int = 0
+
+    def __post_init__(self) -> None:
+        self.next_mb = [0] * self.n_ops
+        self.done = [0] * self.n_ops
+        self.mb_done = [[False] * self.n_mb for _ in range(self.n_ops)]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        plan: Plan,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        start_step: int = 0,
+    ) -> None:
+        run = plan.topology.run
+        self.plan = plan
+        self.ops = plan.ops
+        self.steps_total = run.steps
+        self.k = run.max_offpolicy_steps
+        self.step_batch, self.micro_batch, self.n_mb = (
+            run.step_batch,
+            run.micro_batch,
+            run.micro_batches,
+        )
+        self.cap = run.max_inflight
+        self.sequential = run.mode == "sequential"
+        self.fields = tuple(plan.topology.data.fields)
+        self.clock = clock
+        self.policy_version = start_step
+        self.hold: int | None = None  # steps >= hold may not start (checkpoint in progress)
+        self.inflight = {s: [0] * n for s, n in plan.replicas.items()}
+        self.step_inflight = {s: [0] * n for s, n in plan.replicas.items()}
+        self.events: list[Event] = []
+        self.max_events = MAX_EVENTS
+        self.collect: tuple[str, ...] = ()
+        self.collected: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self._steps: dict[int, _Step] = {}
+        self._data: dict[int, Batch] = {}
+        self._requested = start_step  # steps [start, _requested) had their data requested
+        self._started = start_step
+        self._finished = start_step
+        self._finished_out: list[tuple[int, dict[str, float]]] = []
+        self._tasks: dict[int, _Task] = {}
+        self._next_task = 0
+        self._reserved: set[str] = set()
+        self._op_size = [1 if op.is_step else self.n_mb for op in self.ops]
+        self._role_step_ops = {
+            op.cfg.role: tuple(o.index for o in self.ops if o.is_step and o.cfg.role == op.cfg.role)
+            for op in self.ops
+        }
+        self._earlier_phase_ops = {
+            op.index: tuple(o.index for o in self.ops if o.phase_index < op.phase_index)
+            for op in self.ops
+        }
+
+    # -- data ----------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._finished == self.steps_total
+
+    def data_requests(self) -> list[int]:
+        """Steps whose data should be fetched now: up to one step beyond the start gate,
+        so the data source works while the previous step still runs."""
+        limit = min(self.steps_total, self.policy_version + self.k + 2)
+        wanted = list(range(self._requested, limit))
+        self._requested = max(self._requested, limit)
+        return wanted
+
+    def add_data(self, step: int, batch: Batch) -> None:
+        got = sorted(batch)
+        if got != sorted(self.fields):
+            raise PipelineError(
+                f"data source returned fields {got} for step {step}; data.fields says {sorted(self.fields)}"
+            )
+        for name, t in batch.items():
+            if t.dim() == 0 or t.shape[0] != self.step_batch:
+                raise PipelineError(
+                    f"data source field {name!r} has shape {list(t.shape)} for step {step}; "
+                    f"expected {self.step_batch} rows (run.step_batch)"
+                )
+        self._data[step] = batch
+
+    # -- dispatch --------------------------------------------------------------------------
+    def ready(self) -> list[Dispatch]:
+        """Start whatever steps may start, then every task that may run now (in-flight
+        bookkeeping is updated here: the caller must send each Dispatch)."""
+        self._start_steps()
+        out: list[Dispatch] = []
+        # A step op that is ready but blocked by capacity reserves its stage: no new
+        # micro-batch work goes there until it is out (else rollout of a later step could
+        # keep a replica busy and starve the reshard).
+        self._reserved: set[str] = set()
+        for s in sorted(self._steps):
+            st = self._steps[s]
+            for op in self.ops:
+                j = op.index
+                if op.is_step:
+                    if st.next_mb[j] == 0 and self._step_op_ready(st, op):
+                        d = self._dispatch(st, op, -1)
+                        if d is None:
+                            self._reserved.add(op.stage or "")
+                            continue
+                        st.next_mb[j] = 1
+                        out.append(d)
+                    continue
+                while st.next_mb[j] < st.n_mb and self._mb_ready(st, op, st.next_mb[j]):
+                    d = self._dispatch(st, op, st.next_mb[j])
+                    if d is None:
+                        break
+                    st.next_mb[j] += 1
+                    out.append(d)
+        return out
+
+    def _start_steps(self) -> None:
+        while (
+            self._started < self.steps_total
+            and self._started in self._data
+            and self.policy_version >= self._started - self.k
+            and (self.hold is None or self._started < self.hold)
+        ):
+            s = self._started
+            data = self._data.pop(s)
+            st = _Step(s, self.n_mb, len(self.ops), self.clock(), data, ops_left=len(self.ops))
+            b = self.micro_batch
+            st.mb_values = [
+                {k: v[m * b : (m + 1) * b] for k, v in data.items()} for m in range(self.n_mb)
+            ]
+            self._steps[s] = st
+            self._started += 1
+            self._log(Event(st.t_start, "start", s, -1, -1, -1, self.policy_version))
+
+    def _common_ready(self, st: _Step, op: PlannedOp) -> bool:
+        prev = self._steps.get(st.step - 1)
+        j = op.index
+        if prev is not None:
+            if prev.next_mb[j] < (1 if op.is_step else prev.n_mb):
+                return False  # rule 3: this op of the previous step has not all gone out
+            if not op.head:
+                for p in self._role_step_ops[op.cfg.role]:
+                    if not prev.done[p]:
+                        return False  # rule 4
+        if self.sequential:
+            for p in self._earlier_phase_ops[j]:
+                if st.done[p] < self._op_size[p]:
+                    return False  # rule 5
+        return True
+
+    def _mb_ready(self, st: _Step, op: PlannedOp, m: int) -> bool:
+        for p in op.deps:
+            if self.ops[p].is_step:
+                if not st.done[p]:
+                    return False
+            elif not st.mb_done[p][m]:
+                return False
+        return self._common_ready(st, op)
+
+    def _step_op_ready(self, st: _Step, op: PlannedOp) -> bool:
+        for p in op.deps:  # every earlier op (the barrier)
+            if st.done[p] < self._op_size[p]:
+                return False
+        return self._common_ready(st, op)
+
+    def _pick(self, op: PlannedOp) -> tuple[int, ...] | None:
+        if op.stage is None:
+            return ()
+        load = self.inflight[op.stage]
+        if op.is_step:
+            return tuple(range(len(load))) if max(load) < self.cap else None
+        if op.stage in self._reserved:
+            return None
+        busy_step = self.step_inflight[op.stage]
+        best = -1
+        for r, n in enumerate(load):
+            if n >= self.cap or (op.head and busy_step[r]):
+                continue
+            if best < 0 or n < load[best]:
+                best = r
+        return None if best < 0 else (best,)
+
+    def _dispatch(self, st: _Step, op: PlannedOp, m: int) -> Dispatch | None:
+        replicas = self._pick(op)
+        if replicas is None:
+            return None
+        inputs = self._inputs(st, op, m)
+        task_id = self._next_task
+        self._next_task += 1
+        for r in replicas:
+            self.inflight[op.stage][r] += 1  # type: ignore[index]
+            if op.is_step:
+                self.step_inflight[op.stage][r] += 1  # type: ignore[index]
+        self._tasks[task_id] = _Task(st.step, m, op, replicas, set(replicas) or {DRIVER_REPLICA})
+        now = self.clock()
+        st.phase_t0.setdefault(op.cfg.phase_name, now)
+        if op.head:
+            st.head_versions.append(self.policy_version)
+        rep = replicas[0] if len(replicas) == 1 else -1
+        self._log(Event(now, "dispatch", st.step, m, op.index, rep, self.policy_version))
+        return Dispatch(task_id, st.step, m, op, replicas, inputs, self.policy_version)
+
+    def _inputs(self, st: _Step, op: PlannedOp, m: int) -> Batch:
+        out: Batch = {}
+        for name in op.cfg.inputs:
+            p = self.plan.producer[name]
+            from_step = p != DATA and self.ops[p].is_step
+            if op.is_step:
+                if p == DATA:
+                    out[name] = st.data[name]
+                elif from_step:
+                    out[name] = st.step_values[name]
+                else:
+                    out[name] = concat_rows([v[name] for v in st.mb_values])
+            elif from_step:
+                out[name] = self._slice_step_value(st, name, m)
+            else:
+                out[name] = st.mb_values[m][name]
+        return out
+
+    def _slice_step_value(self, st: _Step, name: str, m: int) -> torch.Tensor:
+        v = st.step_values[name]
+        if v.dim() == 0 or v.shape[0] % st.n_mb:
+            label = self.ops[self.plan.producer[name]].label
+            raise PipelineError(
+                f"value {name!r} from step op {label} has shape {list(v.shape)}; a micro-batch "
+                f"op consumes it, so dim 0 must split evenly into {st.n_mb} micro-batches"
+            )
+        rows = v.shape[0] // st.n_mb
+        return v[m * rows : (m + 1) * rows]
+
+    # -- completion ----------------------------------------------------------------------
+    def task_info(self, task_id: int) -> tuple[int, int, PlannedOp] | None:
+        t = self._tasks.get(task_id)
+        return None if t is None else (t.step, t.mb_id, t.op)
+
+    def complete(
+        self,
+        task_id: int,
+        replica: int,
+        outputs: Batch,
+        metrics: dict[str, float],
+        compute_s: float = 0.0,
+    ) -> None:
+        t = self._tasks.get(task_id)
+        if t is None or replica not in t.pending:
+            raise PipelineError(f"result for unknown task {task_id} from replica {replica}")
+        op, st = t.op, self._steps[t.step]
+        t.pending.discard(replica)
+        if op.stage is not None:
+            self.inflight[op.stage][replica] -= 1
+            if op.is_step:
+                self.step_inflight[op.stage][replica] -= 1
+        for k, v in metrics.items():
+            st.metric_sum[k] = st.metric_sum.get(k, 0.0) + v
+            st.metric_n[k] = st.metric_n.get(k, 0) + 1
+        phase = op.cfg.phase_name
+        st.compute[phase] = st.compute.get(phase, 0.0) + compute_s
+        # A step op runs on every replica; the lowest one speaks for all (deterministic).
+        if replica == min(t.replicas, default=DRIVER_REPLICA):
+            missing = [n for n in op.cfg.outputs if n not in outputs]
+            if missing:
+                raise StageError(
+                    f"{op.label} (step {t.step}, micro-batch {t.mb_id}) returned "
+                    f"{sorted(outputs)}; the dataflow declares outputs {list(op.cfg.outputs)}, "
+                    f"missing {missing}",
+                    stage=op.stage or "driver",
+                    replica=replica,
+                    step=t.step,
+                    mb_id=t.mb_id,
+                )
+            t.outputs = {n: outputs[n] for n in op.cfg.outputs}
+        now = self.clock()
+        self._log(
+            Event(now, "done", t.step, t.mb_id, op.index, replica, self.policy_version, compute_s)
+        )
+        if t.pending:
+            return
+        del self._tasks[task_id]
+        j = op.index
+        if op.is_step:
+            st.step_values.update(t.outputs)
+            st.done[j] = 1
+        else:
+            st.mb_values[t.mb_id].update(t.outputs)
+            st.mb_done[j][t.mb_id] = True
+            st.done[j] += 1
+        st.phase_t1[phase] = now
+        if st.done[j] == self._op_size[j]:
+            st.ops_left -= 1
+            if st.ops_left == 0:
+                self._finish_in_order()
+
+    def _finish_in_order(self) -> None:
+        while (st := self._steps.get(self._finished)) is not None and st.ops_left == 0:
+            now = self.clock()
+            metrics = {k: st.metric_sum[k] / st.metric_n[k] for k in sorted(st.metric_sum)}
+            for phase, t0 in st.phase_t0.items():
+                metrics[f"timing/{phase}"] = st.phase_t1.get(phase, now) - t0
+                metrics[f"compute/{phase}"] = st.compute.get(phase, 0.0)
+            metrics["timing/step"] = now - st.t_start
+            versions = st.head_versions or [self.policy_version]
+            metrics["policy_version"] = float(min(versions))
+            derive_step_metrics(metrics, self.step_batch)  # reward/std, perf/*
+            if self.collect:
+                self.collected[st.step] = self._collect(st)
+            del self._steps[st.step]
+            self._finished += 1
+            self.policy_version = self._finished
+            self._log(Event(now, "finish", st.step, -1, -1, -1, self.policy_version))
+            self._finished_out.append((st.step, metrics))
+
+    def _collect(self, st: _Step) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor]] = {}
+        for name in self.collect:
+            if name in st.step_values:
+                out[name] = [st.step_values[name]]
+            else:
+                out[name] = [v[name] for v in st.mb_values if name in v]
+        return out
+
+    def _log(self, event: Event) -> None:
+        if len(self.events) < self.max_events:
+            self.events.append(event)
+
+    def pop_finished(self) -> list[tuple[int, dict[str, float]]]:
+        out, self._finished_out = self._finished_out, []
+        return out
+
+    def inflight_tasks(self) -> dict[int, Any]:
+        return dict(self._tasks)
+
+
+def concat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate micro-batch tensors along dim 0 in mb order. Trailing dims that differ
+    (e.g. responses padded per micro-batch) are right-padded with zeros to the largest, so
+    masks stay correct (padding is masked out)."""
+    if len(parts) == 1:
+        return parts[0]
+    shapes = {tuple(p.shape[1:]) for p in parts}
+    if len(shapes) == 1:
+        return torch.cat(parts, dim=0)
+    ndims = {p.dim() for p in parts}
+    if len(ndims) != 1:
+        raise PipelineError(f"cannot concatenate micro-batch tensors of ranks {sorted(ndims)}")
+    target = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+    padded = []
+    for p in parts:
+        pad: list[int] = []
+        for d in reversed(range(1, p.dim())):
+            pad += [0, target[d - 1] - p.shape[d]]
+        padded.append(torch.nn.functional.pad(p, pad))
+    return torch.cat(padded, dim=0)

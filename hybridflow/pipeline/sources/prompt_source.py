@@ -1,0 +1,85 @@
+"""`PromptSource`: the runtime's data-source interface over real prompt datasets.
+
+The pipeline asks a data source for one step at a time (`hybridflow.pipeline.sources.registry`):
+`PromptSource(fields, options, seed).batch(step, size)` returns `size` rows of the
+configured fields. This class serves a `PromptDataset` (a file, a datasets directory or a
+built-in task) through that interface.
+
+Fields it can provide:
+  prompt_ids     [B, P] int64   left-padded with the tokenizer's pad id (P = longest row)
+  prompt_mask    [B, P] int64
+  metadata_json  [B, L] uint8   per-sample metadata as JSON (see data/batching.py): the
+                                record's other fields (e.g. `answer`, `id`) and `index`
+  sample_idx     [B] int64      global sample number: step * size + row
+
+Options: every `DataOptions` field (source, prompt_key, max_prompt_length, truncation,
+chat_template, split, task_size, shuffle) plus `tokenizer` ("builtin" or a directory) or
+`model` (use that model's tokenizer).
+
+Invariant: deterministic in (seed, step): sample k of the run is row k mod N of the
+seeded permutation of epoch k // N (N = dataset size), so a resumed run needs nothing
+but the step number to continue exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridflow.config.loader import from_dict
+from hybridflow.data.batching import collate_prompts
+from hybridflow.data.prompts import DataOptions, PromptDataset, epoch_order
+from hybridflow.errors import ConfigError
+from hybridflow.models.loader import load_tokenizer
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class PromptSourceOptions(DataOptions):
+    tokenizer: str | None = None  # "builtin" or a tokenizer directory
+    model: str | None = None  # or: use this model's tokenizer (directory or preset)
+
+
+class PromptSource:
+    FIELDS = ("prompt_ids", "prompt_mask", "metadata_json", "sample_idx")
+
+    def __init__(self, fields: tuple[str, ...], options: Mapping[str, Any], seed: int) -> None:
+        for i, name in enumerate(fields):
+            if name not in self.FIELDS:
+                raise ConfigError(
+                    f"data.fields[{i}]",
+                    f"the prompts source cannot provide {name!r}; it provides {', '.join(self.FIELDS)}",
+                )
+        opts = from_dict(PromptSourceOptions, dict(options), "data.options")
+        if opts.tokenizer is None and opts.model is None:
+            raise ConfigError(
+                "data.options.tokenizer",
+                "is required to tokenize prompts: 'builtin', a tokenizer directory, or set `model`",
+            )
+        self.fields, self.seed, self.shuffle = fields, seed, opts.shuffle
+        self.tokenizer = load_tokenizer(opts.tokenizer, opts.model, "data.options.tokenizer")
+        self.dataset = PromptDataset.load(opts, self.tokenizer, seed=seed, path="data.options")
+        self._orders: dict[int, list[int]] = {}
+
+    def _row(self, k: int) -> int:
+        n = len(self.dataset)
+        epoch, pos = divmod(k, n)
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:  # steps move forward: two epochs cover any batch
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = epoch_order(n, self.seed, epoch, self.shuffle)
+        return self._orders[epoch][pos]
+
+    def batch(self, step: int, size: int) -> Batch:
+        first = step * size
+        items = [self.dataset[self._row(k)] for k in range(first, first + size)]
+        out = collate_prompts(items, self.tokenizer.pad_token_id)
+        out["sample_idx"] = torch.arange(first, first + size, dtype=torch.int64)
+        return {name: out[name] for name in self.fields}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,351 @@
+"""The `hf` rollout backend: batched sampling with a transformers causal LM and a KV cache.
+
+Same contract as the `vllm` backend (rollout_vllm.py), so the two are interchangeable:
+
+  generate      prompt_ids   # [B, P] int, left-padded
+                prompt_mask  # [B, P] 0/1
+            ->  prompt_ids       # [B*n, P]  each prompt repeated n times (row i*n+j: sample j of prompt i)
+                prompt_mask      # [B*n, P]
+                response_ids     # [B*n, R]  int64, right-padded with pad_token_id, R = longest response
+                response_mask    # [B*n, R]  int64 0/1; the EOS that stopped a sample is part of it
+                rollout_logprobs # [B*n, R]  float32, see below (0 at padding)
+                group_index      # [B*n]     int64, the prompt row (0..B-1) each sample answers
+                params (optional overrides): temperature, top_p, top_k, max_new_tokens, n, seed
+  load_weights  batch = one bucket {parameter name: tensor}; params {"last": bool = True,
+                "version": int}. After the last bucket the update is checked for
+                completeness (every parameter written once or more).
+  sleep/wake_up no-ops here (metrics rollout/sleep_skipped, rollout/wake_skipped = 1), so
+                presets written for the vllm backend run unchanged.
+
+In-process hand-off from a colocated actor: `update_weights(iterable of (name, tensor), version)`.
+
+Sampling log-probs (`rollout_logprobs`): the log-probability of each sampled token under the
+distribution it was actually drawn from: softmax(logits / temperature), restricted to the
+top-k tokens and then to the top-p nucleus (smallest prefix of the sorted distribution
+whose mass reaches top_p; ties at the k-th logit are kept), renormalised over the kept
+tokens. Without top-k/top-p this equals the actor's recomputation
+`log_softmax(logits / temperature)[token]` (tests check it); with truncation it is >= that.
+Greedy decoding (temperature 0) reports log-probs at temperature 1, as the vllm backend does.
+
+Randomness: each call samples from its own generator seeded from (seed, step, mb_id) when
+the runtime passes them (it does, as reserved params), else from (seed, call counter). So a
+micro-batch's samples do not depend on which replica ran it or what ran before; the
+replica index is deliberately not part of the seed.
+
+Invariants: generation never runs on a partially written model (an update in progress or
+one that failed makes `generate` raise until a complete update succeeds); the model is
+never trained here (no grad); outputs are CPU tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from hybridflow.config.loader import from_dict
+from hybridflow.errors import BatchError, ConfigError
+from hybridflow.stages.base import Batch, Metrics, Params, StageContext
+from hybridflow.stages.common import (
+    build_model,
+    check_left_padded,
+    mix_seed,
+    options_path,
+    require,
+    row_chunks,
+)
+from hybridflow.stages.rollout.state import HFRolloutOptions, RolloutState
+
+
+class HFRollout(RolloutState):
+    """Registered as ("rollout", "hf")."""
+
+    backend_name = "hf"
+
+    options_cls = HFRolloutOptions  # checked at plan time too (pipeline/topology.py)
+
+    def __init__(self) -> None:
+        self.opts: HFRolloutOptions | None = None
+        self.model: Any = None
+        self.calls = 0
+        self.policy_version: int | None = None
+        self.weights_ok = True
+        self._updating = False
+        self._unwritten: set[int] = set()
+        self._update_bytes = 0
+        self._update_tensors = 0
+        self._update_t0 = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def setup(self, ctx: StageContext) -> None:
+        opts = from_dict(HFRolloutOptions, dict(ctx.options), options_path(ctx))
+        self.opts = opts
+        self.device = ctx.device
+        self.seed = ctx.seed if opts.seed is None else opts.seed
+        self.tokenizer, self.model = build_model(ctx, opts, "causal_lm")
+        self.model.requires_grad_(False)
+        self.pad_id = (
+            opts.pad_token_id if opts.pad_token_id is not None else self.tokenizer.pad_token_id
+        )
+        self.eos_ids = self._eos_ids(opts)
+        if opts.stop_on_eos and not self.eos_ids:
+            raise ConfigError(f"{options_path(ctx)}.eos_token_id", "the model names no EOS token")
+        # Every name the sender may use (tied weights answer to both names) -> parameter.
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        # transformers 5.2x renamed `past_key_values` (forward argument and output) to `cache`.
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
+
+    def _eos_ids(self, opts: HFRolloutOptions) -> list[int]:
+        if opts.eos_token_id is not None:
+            return [opts.eos_token_id]
+        ids: list[int] = []
+        for source in (
+            self.tokenizer.eos_token_id,
+            getattr(self.model.generation_config, "eos_token_id", None),
+        ):
+            for i in [source] if isinstance(source, int) else list(source or []):
+                if i not in ids:
+                    ids.append(int(i))
+        return ids
+
+    def close(self) -> None:
+        self.model = None
+        self._params = {}
+
+    # -- ops -----------------------------------------------------------------------------
+    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        if self.model is None:
+            raise RuntimeError("HFRollout.handle before setup (or after close)")
+        if op == "generate":
+            return self.generate(batch, params)
+        if op == "load_weights":
+            return {}, self.load_bucket(
+                batch, last=bool(params.get("last", True)), version=params.get("version")
+            )
+        if op in ("sleep", "wake_up"):
+            # The vllm backend frees/restores its KV cache around training; this one
+            # keeps no cache between calls, so a colocated preset may call these on either.
+            return {}, {f"rollout/{op.replace('wake_up', 'wake')}_skipped": 1.0}
+        raise BatchError(
+            f"hf rollout: unknown op {op!r}; known: generate, load_weights, sleep, wake_up"
+        )
+
+    def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        opts = self._call_options(params)
+        where = "hf rollout generate"
+        if self._updating:
+            raise BatchError(f"{where}: a weight update is in progress (no `last` bucket yet)")
+        if not self.weights_ok:
+            raise BatchError(f"{where}: the last weight update failed or was incomplete")
+        require(batch, ("prompt_ids", "prompt_mask"), where)
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+        self._check_prompts(prompt_ids, prompt_mask, opts, where)
+        if params.get("seed") is not None:
+            seed = int(params["seed"])
+        elif "step" in params and "mb_id" in params:
+            seed = mix_seed(self.seed, params["step"], params["mb_id"])
+        else:
+            seed = mix_seed(self.seed, "call", self.calls)
+        self.calls += 1
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+
+        ids = prompt_ids.repeat_interleave(opts.n, dim=0)  # [B*n, P]
+        mask = prompt_mask.to(torch.int64).repeat_interleave(opts.n, dim=0)
+        t0 = time.perf_counter()
+        parts = [
+            self._sample(
+                ids[rows].to(self.device, torch.int64), mask[rows].to(self.device), opts, gen
+            )
+            for rows in row_chunks(ids.shape[0], opts.max_batch_size)
+        ]
+        gen_s = time.perf_counter() - t0
+        width = max(p[0].shape[1] for p in parts)
+        response_ids = torch.cat([_pad_to(p[0], width, self.pad_id) for p in parts])  # [B*n, R]
+        logprobs = torch.cat([_pad_to(p[1], width, 0.0) for p in parts])  # [B*n, R]
+        lengths = torch.cat([p[2] for p in parts])  # [B*n]
+        response_mask = (torch.arange(width)[None, :] < lengths[:, None]).to(torch.int64)
+        tokens = int(lengths.sum())
+        out = {
+            "prompt_ids": ids,
+            "prompt_mask": mask,
+            "response_ids": response_ids,
+            "response_mask": response_mask,
+            "rollout_logprobs": logprobs,
+            "group_index": torch.arange(prompt_ids.shape[0]).repeat_interleave(opts.n),
+        }
+        return out, self._generate_metrics(gen_s, tokens, ids.shape[0])
+
+    def _check_prompts(
+        self, ids: torch.Tensor, mask: torch.Tensor, opts: HFRolloutOptions, where: str
+    ) -> None:
+        if ids.dim() != 2 or ids.shape != mask.shape:
+            raise BatchError(
+                f"{where}: prompt_ids {tuple(ids.shape)} and prompt_mask {tuple(mask.shape)} "
+                "must both be [B, P]"
+            )
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise BatchError(f"{where}: prompt_ids must be integer, got {ids.dtype}")
+        m = mask.to(torch.int64)
+        if not bool(((m == 0) | (m == 1)).all()):
+            raise BatchError(f"{where}: prompt_mask must hold only 0 and 1")
+        check_left_padded(m, where)
+        if not bool(m.sum(-1).gt(0).all()):
+            raise BatchError(f"{where}: some rows have an empty prompt")
+        valid = ids[m.bool()]
+        vocab = self.model.config.vocab_size
+        if int(valid.min()) < 0 or int(valid.max()) >= vocab:
+            raise BatchError(f"{where}: prompt token ids outside the vocabulary [0, {vocab})")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and int(m.sum(-1).max()) + opts.max_new_tokens > limit:
+            raise BatchError(
+                f"{where}: prompt of {int(m.sum(-1).max())} tokens + max_new_tokens "
+                f"{opts.max_new_tokens} exceeds the model's {limit} positions"
+            )
+
+    @torch.no_grad()
+    def _sample(
+        self,
+        ids: torch.Tensor,  # [N, P] left-padded
+        mask: torch.Tensor,  # [N, P]
+        opts: HFRolloutOptions,
+        gen: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> tokens [N, T] (pad after the end), logprobs [N, T], lengths [N] (all CPU)."""
+        n = ids.shape[0]
+        eos = torch.tensor(self.eos_ids, device=self.device, dtype=torch.int64)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        cache = out[self._cache_kw]
+        logits = out.logits[:, -1, :].float()  # [N, V]
+        next_pos = mask.sum(-1, keepdim=True)  # [N, 1] position of the next token
+        finished = torch.zeros(n, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(n, dtype=torch.int64, device=self.device)
+        tokens, logprobs = [], []
+        for t in range(opts.max_new_tokens):
+            tok, lp = _pick(logits, opts, gen)
+            tok = torch.where(finished, self.pad_id, tok)
+            lp = torch.where(finished, 0.0, lp)
+            tokens.append(tok)
+            logprobs.append(lp)
+            lengths += (~finished).to(torch.int64)
+            if opts.stop_on_eos:
+                finished |= torch.isin(tok, eos)
+            if t == opts.max_new_tokens - 1 or bool(finished.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = self.model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=next_pos,
+                use_cache=True,
+                **{self._cache_kw: cache},
+            )
+            cache = out[self._cache_kw]
+            next_pos = next_pos + 1
+            logits = out.logits[:, -1, :].float()
+        return (
+            torch.stack(tokens, 1).cpu(),
+            torch.stack(logprobs, 1).float().cpu(),
+            lengths.cpu(),
+        )
+
+    # -- weights -------------------------------------------------------------------------
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> Metrics:
+        """In-process hand-off (colocated actor): one complete update from (name, tensor)
+        pairs, consumed lazily (one tensor at a time, copied in place)."""
+        self._begin()
+        self._feed(weights)
+        return self._end(version)
+
+    def load_bucket(
+        self, bucket: Mapping[str, torch.Tensor], *, last: bool, version: int | None = None
+    ) -> Metrics:
+        """One bucket of a streamed update (disaggregated: buckets arrive as messages)."""
+        if not isinstance(bucket, Mapping):
+            raise BatchError(f"load_weights: bucket must be a mapping, got {type(bucket).__name__}")
+        if not self._updating:
+            self._begin()
+        self._feed(bucket.items())
+        if not last:
+            return {"reshard/bucket_tensors": float(len(bucket))}
+        return self._end(version)
+
+    def _begin(self) -> None:
+        self._updating, self.weights_ok = True, False
+        self._unwritten = {id(p) for p in self._params.values()}
+        self._update_bytes = self._update_tensors = 0
+        self._update_t0 = time.perf_counter()
+
+    def _feed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        try:
+            with torch.no_grad():
+                for name, tensor in weights:
+                    param = self._params.get(name)
+                    if param is None:
+                        known = list(self._params)[:4]
+                        raise BatchError(f"load_weights: unknown parameter {name!r} (e.g. {known})")
+                    if param.shape != tensor.shape:
+                        raise BatchError(
+                            f"load_weights: {name} is {tuple(tensor.shape)}, the model "
+                            f"expects {tuple(param.shape)}"
+                        )
+                    param.copy_(tensor)  # casts dtype and moves device as needed
+                    self._unwritten.discard(id(param))
+                    self._update_bytes += tensor.numel() * tensor.element_size()
+                    self._update_tensors += 1
+        except BaseException:
+            self._updating = False  # weights_ok stays False: never sample mixed weights
+            raise
+
+    def _end(self, version: int | None) -> Metrics:
+        self._updating = False
+        if self._unwritten:
+            missing = [n for n, p in self._params.items() if id(p) in self._unwritten]
+            raise BatchError(
+                f"load_weights: incomplete update, {len(missing)} parameter(s) never "
+                f"received, e.g. {missing[:4]}"
+            )
+        self.weights_ok = True
+        if version is not None:
+            self.policy_version = int(version)
+        return {
+            "timing/reshard": time.perf_counter() - self._update_t0,
+            "reshard/bytes": float(self._update_bytes),
+            "reshard/tensors": float(self._update_tensors),
+        }
+
+
+def _pick(
+    logits: torch.Tensor, opts: HFRolloutOptions, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from logits [N, V] -> (tokens [N], sampling log-probs [N])."""
+    if opts.temperature == 0:
+        tok = logits.argmax(-1)
+        return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+    scaled = logits / opts.temperature
+    if 0 < opts.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, opts.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if opts.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the first
+        # token is always kept).
+        drop = (probs.cumsum(-1) - probs) >= opts.top_p
+        scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logp = torch.log_softmax(scaled, dim=-1)
+    tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _pad_to(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)
+    return torch.cat([t, pad], dim=1)
