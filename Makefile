@@ -38,6 +38,7 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check hybridflow tests bench examples
 	$(VENV)/bin/ruff format --check hybridflow tests bench examples
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 bench: $(VENV)/.installed
 	$(PY) -m hybridflow bench transport --json

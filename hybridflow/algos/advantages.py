@@ -19,8 +19,10 @@ Invariants:
 - Everything here runs under `torch.no_grad()` and returns float32 (or float64) tensors:
   advantages are targets, never differentiated.
 
-Dispatch: `ADVANTAGE_ESTIMATORS[name]` describes each estimator (does it need a
-critic? groups?), `compute_advantages(name, ...)` calls any of them uniformly.
+Dispatch: `ADVANTAGE_ESTIMATORS[name]` (an `EstimatorSpec`) is THE estimator table:
+does it need critic values? groups? does it define returns? which options? The
+`advantages` driver op and the step-logic compiler derive their checks from it, so a
+new estimator is one entry here. `compute_advantages(name, ...)` calls any of them.
 """
 
 from __future__ import annotations
@@ -247,14 +249,23 @@ class AdvantageResult(NamedTuple):
 
 @dataclass(frozen=True)
 class EstimatorSpec:
-    """What an estimator needs. `inputs` are the tensor fields it reads (besides mask)."""
+    """One advantage estimator: THE table entry every other layer derives from (the
+    `advantages` driver op's checks and options, the step-logic compiler's functions and
+    defaults). `inputs` are the tensor fields `fn` reads besides `mask`."""
 
     name: str
-    needs_critic: bool
-    needs_groups: bool
+    needs_values: bool  # reads critic `values` [B, T]: a critic must exist
+    needs_groups: bool  # reads `group_index` [B]: compares the samples of one prompt
+    returns: bool  # defines `returns` [B, T] (the critic's / return targets)
     inputs: tuple[str, ...]  # "token_rewards" | "scores" | "values" | "group_index"
-    options: tuple[str, ...]  # keyword options it accepts
-    run: Callable[..., AdvantageResult]
+    options: tuple[str, ...]  # keyword options `fn` accepts
+    doc: str  # one line, shown by the step-logic compiler
+    fn: Callable[[dict[str, Any], dict[str, Any]], AdvantageResult]  # (fields, options)
+
+    @property
+    def needs_critic(self) -> bool:
+        """The values come from a critic (the same fact as `needs_values`)."""
+        return self.needs_values
 
 
 def _run_gae(f: dict[str, Any], o: dict[str, Any]) -> AdvantageResult:
@@ -279,62 +290,60 @@ def _run_rpp_baseline(f: dict[str, Any], o: dict[str, Any]) -> AdvantageResult:
     )
 
 
-def _spec(
-    name: str,
-    *,
-    critic: bool,
-    groups: bool,
-    inputs: tuple[str, ...],
-    options: tuple[str, ...],
-    run: Callable[..., AdvantageResult],
-) -> tuple[str, EstimatorSpec]:
-    return name, EstimatorSpec(name, critic, groups, inputs, options, run)
-
-
-ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = dict(
-    (
-        _spec(
-            "gae",
-            critic=True,
-            groups=False,
-            inputs=("token_rewards", "values"),
-            options=("gamma", "lam", "whiten"),
-            run=_run_gae,
-        ),
-        _spec(
-            "grpo",
-            critic=False,
-            groups=True,
-            inputs=("scores", "group_index"),
-            options=("norm_std", "eps"),
-            run=_run_grpo,
-        ),
-        _spec(
-            "reinforce_pp",
-            critic=False,
-            groups=False,
-            inputs=("token_rewards",),
-            options=("gamma",),
-            run=_run_rpp,
-        ),
-        _spec(
-            "reinforce_pp_baseline",
-            critic=False,
-            groups=True,
-            inputs=("token_rewards", "group_index"),
-            options=("gamma",),
-            run=_run_rpp_baseline,
-        ),
-        _spec(
-            "rloo",
-            critic=False,
-            groups=True,
-            inputs=("scores", "group_index"),
-            options=(),
-            run=_run_rloo,
-        ),
-    )
+# Each estimator is named exactly once, here; ADVANTAGE_ESTIMATORS is keyed by `name`.
+_SPECS = (
+    EstimatorSpec(
+        name="gae",
+        needs_values=True,
+        needs_groups=False,
+        returns=True,
+        inputs=("token_rewards", "values"),
+        options=("gamma", "lam", "whiten"),
+        doc="GAE advantages",
+        fn=_run_gae,
+    ),
+    EstimatorSpec(
+        name="grpo",
+        needs_values=False,
+        needs_groups=True,
+        returns=False,
+        inputs=("scores", "group_index"),
+        options=("norm_std", "eps"),
+        doc="GRPO group advantages",
+        fn=_run_grpo,
+    ),
+    EstimatorSpec(
+        name="reinforce_pp",
+        needs_values=False,
+        needs_groups=False,
+        returns=True,
+        inputs=("token_rewards",),
+        options=("gamma",),
+        doc="REINFORCE++",
+        fn=_run_rpp,
+    ),
+    EstimatorSpec(
+        name="reinforce_pp_baseline",
+        needs_values=False,
+        needs_groups=True,
+        returns=True,
+        inputs=("token_rewards", "group_index"),
+        options=("gamma",),
+        doc="REINFORCE++ with a group-mean baseline",
+        fn=_run_rpp_baseline,
+    ),
+    EstimatorSpec(
+        name="rloo",
+        needs_values=False,
+        needs_groups=True,
+        returns=False,
+        inputs=("scores", "group_index"),
+        options=(),
+        doc="RLOO leave-one-out advantages",
+        fn=_run_rloo,
+    ),
 )
+ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = {s.name: s for s in _SPECS}
 
 _ALL_OPTIONS = frozenset(o for s in ADVANTAGE_ESTIMATORS.values() for o in s.options)
 
@@ -354,7 +363,7 @@ def compute_advantages(
     Give rewards as either `token_rewards` [B, T] or `scores` [B], not both; each is
     converted to what the estimator reads (scores go on the last valid token; token
     rewards are summed over valid tokens into a score). `values` [B, T] is needed when
-    the spec says `needs_critic`, `group_index` [B] when it says `needs_groups`.
+    the spec says `needs_values`, `group_index` [B] when it says `needs_groups`.
     `options` (gamma, lam, whiten, norm_std, eps) may be a whole algorithm config:
     an option another estimator uses is ignored here, an option no estimator knows
     raises (typos fail loudly).
@@ -385,4 +394,4 @@ def compute_advantages(
         if fields.get(field) is None:
             raise AlgorithmInputError(f"compute_advantages({name}): needs `{field}`")
     chosen = {k: v for k, v in options.items() if k in spec.options}
-    return spec.run(fields, chosen)
+    return spec.fn(fields, chosen)

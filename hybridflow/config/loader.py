@@ -53,7 +53,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply `a.b.c=value` strings (value parsed as a YAML scalar/flow) to a nested dict."""
-    out = _deepcopy(data)
+    out: dict[str, Any] = _deepcopy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
@@ -94,7 +94,8 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     """Build dataclass `cls` from plain data, strictly. Raises ConfigError with dotted paths."""
-    return _convert(cls, data, path)  # type: ignore[return-value]
+    result: T = _convert(cls, data, path)
+    return result
 
 
 def to_dict(obj: Any) -> Any:

@@ -10,6 +10,7 @@ from hybridflow.stages.base import BACKENDS, Role, StageContext, create_role, re
 register("*", "synthetic", "hybridflow.stages.synthetic:SyntheticRole")
 register("rollout", "hf", "hybridflow.stages.rollout.hf:HFRollout")
 register("rollout", "vllm", "hybridflow.stages.rollout.vllm:VLLMRollout")
+register("rollout", "native", "hybridflow.stages.rollout.native.role:NativeRollout")
 register("actor", "hf", "hybridflow.stages.actor:Actor")
 register("critic", "hf", "hybridflow.stages.critic:Critic")
 register("reference", "hf", "hybridflow.stages.reference:Reference")

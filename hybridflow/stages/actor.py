@@ -24,7 +24,7 @@ Ops (every batch uses the sequence layout of stages/common.py: prompt_ids/prompt
                   its `update_weights((name, tensor) iterator, version)`, tensor by tensor,
                   in place on the device (no host copy); -> {} + the rollout's metrics.
                   (Rollout in another stage: the runtime answers this op itself and
-                  streams `weight_buckets()` to it; see pipeline/weight_sync.py.)
+                  streams `weight_buckets()` to it; see pipeline/host/weight_sync.py.)
   export_weights  (disaggregated) params {bucket: int = -1} -> that bucket's
                   {parameter name: tensor} on CPU (-1: all); metrics weights/num_buckets,
                   weights/bytes. Buckets hold whole parameters, <= weight_bucket_mb each.
@@ -52,6 +52,7 @@ from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.loader import ModelOptions
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
+    SEQUENCE_FIELDS,
     build_model,
     check_sequences,
     chunked_no_grad,
@@ -61,6 +62,7 @@ from hybridflow.stages.common import (
     row_chunks,
     slice_rows,
 )
+from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
 
 
@@ -89,10 +91,11 @@ class ActorOptions(ModelOptions, TrainOptions):
             raise ConfigError(f"{path}.weight_bucket_mb", "must be > 0")
 
 
-class Actor:
+class Actor(RoleBase):
     """Registered as ("actor", "hf")."""
 
-    options_cls = ActorOptions  # checked at plan time too (pipeline/topology.py)
+    options_cls = ActorOptions  # checked at plan time too (pipeline/compiler/plan.py)
+    trainable = True
 
     def __init__(self) -> None:
         self.opts: ActorOptions | None = None
@@ -131,25 +134,35 @@ class Actor:
         self.version = int(state["version"])
 
     # -- ops -----------------------------------------------------------------------------
-    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        if self.trainer is None:
-            raise RuntimeError("Actor.handle before setup (or after close)")
-        if op == "get_logprob":
-            return self.get_logprob(batch), {}
-        if op == "update":
-            return {}, self.update(batch)
-        if op == "sft_update":
-            return {}, self.sft_update(batch)
-        if op == "optimizer_step":
-            return {}, self.optimizer_step()
-        if op == "reshard":
-            return {}, self.reshard(params.get("version"))
-        if op == "export_weights":
-            return self.export_weights(int(params.get("bucket", -1)))
-        raise BatchError(
-            f"actor: unknown op {op!r}; known: get_logprob, update, sft_update, "
-            "optimizer_step, reshard, export_weights"
-        )
+    @op(name="get_logprob", inputs=SEQUENCE_FIELDS, outputs=("old_logprobs", "entropy"))
+    def _op_get_logprob(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Log-probs and entropy of the responses under the current weights."""
+        return self.get_logprob(batch), {}
+
+    @op(name="update", inputs=(*SEQUENCE_FIELDS, "advantages"))
+    def _op_update(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Accumulate the PPO/GRPO policy gradient of one micro-batch."""
+        return {}, self.update(batch)
+
+    @op(name="sft_update", inputs=SEQUENCE_FIELDS)
+    def _op_sft_update(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Accumulate the SFT (cross-entropy) gradient of one micro-batch."""
+        return {}, self.sft_update(batch)
+
+    @op(name="optimizer_step", scope=Scope.STEP)
+    def _op_optimizer_step(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Apply the accumulated gradients (one optimizer step)."""
+        return {}, self.optimizer_step()
+
+    @op(name="reshard", scope=Scope.STEP)
+    def _op_reshard(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Hand the weights to the colocated rollout engine."""
+        return {}, self.reshard(params.get("version"))
+
+    @op(name="export_weights", scope=None, outputs=None)
+    def _op_export_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """The weights as tensors (one bucket, or all with bucket -1)."""
+        return self.export_weights(int(params.get("bucket", -1)))
 
     def get_logprob(self, batch: Batch) -> Batch:
         assert self.opts is not None

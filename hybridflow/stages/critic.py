@@ -32,6 +32,7 @@ from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.loader import ModelOptions
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
+    SEQUENCE_FIELDS,
     build_model,
     check_sequences,
     chunked_no_grad,
@@ -39,6 +40,7 @@ from hybridflow.stages.common import (
     options_path,
     response_values,
 )
+from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
 
 _SEQUENCES = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
@@ -55,10 +57,11 @@ class CriticOptions(ModelOptions, TrainOptions):
             raise ConfigError(f"{path}.cliprange_value", "must be >= 0 or null")
 
 
-class Critic:
+class Critic(RoleBase):
     """Registered as ("critic", "hf")."""
 
-    options_cls = CriticOptions  # checked at plan time too (pipeline/topology.py)
+    options_cls = CriticOptions  # checked at plan time too (pipeline/compiler/plan.py)
+    trainable = True
 
     def __init__(self) -> None:
         self.opts: CriticOptions | None = None
@@ -85,17 +88,22 @@ class Critic:
         self.model.load_state_dict(state["model"])
         self.trainer.load_state_dict(state["trainer"])
 
-    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        if self.trainer is None:
-            raise RuntimeError("Critic.handle before setup (or after close)")
-        if op == "values":
-            check_sequences(batch, "critic.values", self.model.config.vocab_size)
-            return {"values": self._values_no_grad(batch)}, {}
-        if op == "update":
-            return {}, self.update(batch)
-        if op == "optimizer_step":
-            return {}, self.trainer.step()
-        raise BatchError(f"critic: unknown op {op!r}; known: values, update, optimizer_step")
+    @op(name="values", inputs=SEQUENCE_FIELDS, outputs=("values",))
+    def _op_values(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """V(state before each response token) [B, R]."""
+        check_sequences(batch, "critic.values", self.model.config.vocab_size)
+        return {"values": self._values_no_grad(batch)}, {}
+
+    @op(name="update", inputs=SEQUENCE_FIELDS)
+    def _op_update(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Accumulate the value-loss gradient of one micro-batch."""
+        return {}, self.update(batch)
+
+    @op(name="optimizer_step", scope=Scope.STEP)
+    def _op_optimizer_step(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Apply the accumulated gradients."""
+        assert self.trainer is not None
+        return {}, self.trainer.step()
 
     def _values_no_grad(self, batch: Batch) -> torch.Tensor:
         assert self.opts is not None

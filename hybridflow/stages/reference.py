@@ -15,16 +15,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.config.loader import from_dict
-from hybridflow.errors import BatchError, ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.loader import ModelOptions
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
+    SEQUENCE_FIELDS,
     build_model,
     check_sequences,
     chunked_no_grad,
     options_path,
     response_logprobs,
 )
+from hybridflow.stages.contract import RoleBase, op
 
 
 @dataclass
@@ -38,10 +40,10 @@ class ReferenceOptions(ModelOptions):
             raise ConfigError(f"{path}.temperature", f"must be > 0, got {self.temperature}")
 
 
-class Reference:
+class Reference(RoleBase):
     """Registered as ("reference", "hf")."""
 
-    options_cls = ReferenceOptions  # checked at plan time too (pipeline/topology.py)
+    options_cls = ReferenceOptions  # checked at plan time too (pipeline/compiler/plan.py)
 
     def __init__(self) -> None:
         self.opts: ReferenceOptions | None = None
@@ -53,11 +55,10 @@ class Reference:
         self.tokenizer, self.model = build_model(ctx, self.opts, "causal_lm")
         self.model.requires_grad_(False)
 
-    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        if self.model is None or self.opts is None:
-            raise RuntimeError("Reference.handle before setup (or after close)")
-        if op != "get_logprob":
-            raise BatchError(f"reference: unknown op {op!r}; known: get_logprob")
+    @op(inputs=SEQUENCE_FIELDS, outputs=("ref_logprobs",))
+    def get_logprob(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Log-probs of the responses under the frozen reference policy."""
+        assert self.opts is not None
         check_sequences(batch, "reference.get_logprob", self.model.config.vocab_size)
         opts = self.opts
         ref = chunked_no_grad(

@@ -28,14 +28,17 @@ Metrics: `<role>/rows`, `<role>/cost_ms`.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
+from hybridflow.stages.contract import OpSpec, RoleBase
 
 _OPTIONS = {
     "ms_per_sample",
@@ -49,7 +52,18 @@ _OPTIONS = {
 }
 
 
-class SyntheticRole:
+class SyntheticRole(RoleBase):
+    """Plays any op the dataflow gives it: its declaration is the dataflow's (scope and
+    outputs come from the config), so `find_op` answers for every name."""
+
+    @classmethod
+    def find_op(cls, name: str) -> OpSpec:
+        return OpSpec(name=name, method="run", scope=None, outputs=None)
+
+    def bound_op(self, spec: OpSpec) -> Callable[..., Any]:
+        RoleBase.bound_op(self, spec)  # the set-up guard
+        return functools.partial(self.run, spec.name)
+
     def setup(self, ctx: StageContext) -> None:
         opts = dict(ctx.options)
         unknown = sorted(set(opts) - _OPTIONS)
@@ -78,7 +92,7 @@ class SyntheticRole:
             raise ValueError(f"synthetic: {where}: costs must be >= 0")
         return per_sample, per_task
 
-    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+    def run(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         spec = self.dataflow.get(op, {"inputs": list(batch), "outputs": [], "scope": "micro_batch"})
         tag = self._tag(spec["inputs"], batch, params)
         if op in self.expect_ordered:

@@ -39,7 +39,7 @@ import contextlib
 import logging
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import zmq
@@ -126,7 +126,7 @@ class Channel:
             if bind:
                 self._sock.bind(endpoint)
                 # tcp://127.0.0.1:0 binds a free port; report the real address.
-                self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+                self.endpoint = cast(bytes, self._sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
             else:
                 self._sock.connect(endpoint)
                 self.endpoint = endpoint
@@ -134,7 +134,7 @@ class Channel:
             self._sock.close(0)
             verb = "bind" if bind else "connect"
             raise PeerDeadError(f"channel {name}: cannot {verb} {endpoint}: {exc}") from exc
-        self._fd = self._sock.getsockopt(zmq.FD)
+        self._fd = cast(int, self._sock.getsockopt(zmq.FD))
         self._loop: asyncio.AbstractEventLoop | None = None
         # Tasks sleeping until the socket may be readable (POLLIN) / writable (POLLOUT).
         self._waiters: dict[int, list[asyncio.Future[None]]] = {zmq.POLLIN: [], zmq.POLLOUT: []}
@@ -305,7 +305,7 @@ class Channel:
                 self._flush_outbox()
             # Between messages, never with one in hand; and queued input first: a peer
             # whose heartbeats wait in our queue is late, not dead.
-            if self._peers_due() and not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self._peers_due() and not self._events() & zmq.POLLIN:
                 self._check_peers()
             frames = self._try_recv()
             if frames is None:
@@ -382,6 +382,10 @@ class Channel:
             with contextlib.suppress(RuntimeError, ValueError, OSError):
                 old.remove_reader(self._fd)
 
+    def _events(self) -> int:
+        """ZMQ_EVENTS (POLLIN | POLLOUT bits); reading it re-arms the edge-triggered fd."""
+        return cast(int, self._sock.getsockopt(zmq.EVENTS))
+
     def _on_readable(self) -> None:
         if self._closed:
             return
@@ -413,7 +417,7 @@ class Channel:
             raise PipelineError(f"channel {self.name} is closed")
         # Reading EVENTS re-arms the fd: only after this may we sleep on it. If it shows
         # what the other kind of sleeper waits for, wake them: the edge is gone now.
-        events = self._sock.getsockopt(zmq.EVENTS)
+        events = self._events()
         other = flag ^ (zmq.POLLIN | zmq.POLLOUT)
         if events & other and self._waiters[other]:
             self._wake(other)
@@ -441,11 +445,7 @@ class Channel:
                 timer.cancel()
         if self._closed:
             raise PipelineError(f"channel {self.name} is closed")
-        return (
-            deadline is None
-            or loop.time() < deadline
-            or bool(self._sock.getsockopt(zmq.EVENTS) & flag)
-        )
+        return deadline is None or loop.time() < deadline or bool(self._events() & flag)
 
     def _peers_due(self) -> bool:
         if self.peers is None:
@@ -490,7 +490,7 @@ class Channel:
             try:
                 frames = protocol.encode(rel)
                 if self._router:
-                    frames.insert(0, peer)
+                    frames.insert(0, cast(bytes, peer))
                 if not self._try_send(frames):
                     log.debug("channel %s: ack to %r deferred (queue full)", self.name, peer)
                     self.codec.requeue(peer, rel)

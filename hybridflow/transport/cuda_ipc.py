@@ -106,7 +106,7 @@ class CudaIpcTier:
             event_handle=bytes(event_handle) if event_handle is not None else b"",
             event_sync_required=bool(event_sync_required),
             stride=list(tensor.stride()),
-            offset=tensor.storage_offset(),
+            offset=int(tensor.storage_offset()),
         )
         return TensorDesc(
             name=name,
@@ -162,7 +162,7 @@ class CudaIpcTier:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         try:
-            t = rebuild_cuda_tensor(
+            t: torch.Tensor = rebuild_cuda_tensor(
                 torch.Tensor,
                 torch.Size(desc.shape),
                 tuple(ref.stride),

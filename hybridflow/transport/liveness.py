@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridflow.errors import PeerDeadError, StageDeadError
-from hybridflow.transport.protocol import Heartbeat
+from hybridflow.transport.protocol import Heartbeat, StageState
 
 if TYPE_CHECKING:
     from hybridflow.transport.channel import Channel
@@ -195,7 +195,7 @@ class Heartbeater:
     """Sends `Heartbeat(stage, replica, seq, state, pid)` on `channel` every `interval_s`.
 
     `to`: for a ROUTER, the identity (or a callable giving the identities) to beat to.
-    `state`: a callable giving the current state name ("ready", "busy", ...).
+    `state`: a callable giving the current `StageState` (default: READY).
     """
 
     def __init__(
@@ -206,7 +206,7 @@ class Heartbeater:
         replica: int = 0,
         interval_s: float = 1.0,
         to: bytes | Callable[[], Iterable[bytes]] | None = None,
-        state: Callable[[], str] | None = None,
+        state: Callable[[], StageState] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"liveness.heartbeat_interval_s must be > 0, got {interval_s}")
@@ -239,7 +239,7 @@ class Heartbeater:
             stage=self.stage,
             replica=self.replica,
             seq=self._seq,
-            state=self._state() if self._state else "ready",
+            state=self._state() if self._state else StageState.READY,
             pid=os.getpid(),
         )
         self._seq += 1

@@ -153,7 +153,7 @@ class NcclGroup:
         store = dist.PrefixStore(f"hybridflow-transport/{src}->{dst}", self._store)
         me = 0 if self.rank == src else 1
         if self.backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private
             opts._timeout = self._timeout
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             return dist.ProcessGroupGloo(store, me, 2, opts)
@@ -262,10 +262,9 @@ class NcclTier:
         if dst is None:
             return
         self._reap()
-        for d in sorted(
-            (d for d in descs if isinstance(d.where, NcclRef)), key=lambda d: d.where.seq
-        ):
-            data = self._reserved.pop((dst, d.where.seq), None)  # type: ignore[union-attr]
+        refs = [d.where for d in descs if isinstance(d.where, NcclRef)]
+        for ref in sorted(refs, key=lambda r: r.seq):
+            data = self._reserved.pop((dst, ref.seq), None)
             if data is not None:
                 # Keep `data` alive until NCCL is done with it.
                 self._p.in_flight.append((self.group.isend(data, dst), data))

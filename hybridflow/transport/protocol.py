@@ -61,6 +61,22 @@ DType = Literal[
 ]
 
 
+class StageState(enum.StrEnum):
+    """A stage process's life-cycle state, as its heartbeats report it (validated on decode:
+    a state outside this enum is a malformed message)."""
+
+    CONNECTING = "connecting"  # Hello sent, no Welcome yet
+    SETUP = "setup"  # roles being built (model loading may take minutes)
+    READY = "ready"  # serving tasks, none running
+    BUSY = "busy"  # serving tasks, at least one running
+    FAILED = "failed"  # setup raised; waiting for Shutdown
+    STOPPING = "stopping"  # Shutdown received or the parent died
+
+    @property
+    def serving(self) -> bool:
+        return self in (StageState.READY, StageState.BUSY)
+
+
 class Kind(enum.IntEnum):
     """One byte on the wire; the first frame of every message."""
 
@@ -178,7 +194,7 @@ class Heartbeat(Msg, frozen=True):
     stage: Ident
     replica: NonNeg
     seq: NonNeg
-    state: Ident = "ready"
+    state: StageState = StageState.READY
     pid: NonNeg = 0  # lets a survivor sweep the dead peer's shared memory (shm.sweep_pid)
 
 
@@ -300,7 +316,9 @@ class Envelope(msgspec.Struct, Generic[M], array_like=True, frozen=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Kind, msgspec.msgpack.Decoder] = {
-    kind: msgspec.msgpack.Decoder(Envelope[cls]) for kind, cls in MESSAGE_TYPES.items()
+    # Envelope parametrised at runtime by each message class (mypy sees a variable).
+    kind: msgspec.msgpack.Decoder(Envelope[cls])  # type: ignore[valid-type]
+    for kind, cls in MESSAGE_TYPES.items()
 }
 _KIND_BYTES = {kind: bytes([kind]) for kind in MESSAGE_TYPES}
 
@@ -354,7 +372,8 @@ def decode(frames: list[Any]) -> tuple[Msg, list[TensorDesc], list[Any]]:
 
 def _as_view(frame: Any) -> memoryview:
     if hasattr(frame, "buffer"):  # zmq.Frame
-        return frame.buffer
+        view: memoryview = frame.buffer
+        return view
     return memoryview(frame)
 
 

@@ -315,10 +315,10 @@ class ShmReader:
             if len(m) < size:
                 raise ValueError(f"shm segment {name} has {len(m)} bytes, descriptor needs {size}")
             return m
-        m = open_segment(name, size)
-        if m is not None:
-            self._maps[name] = (peer, m)
-        return m
+        opened = open_segment(name, size)
+        if opened is not None:
+            self._maps[name] = (peer, opened)
+        return opened
 
     def retire(self, peer: Hashable, names: Iterable[str]) -> None:
         for name in names:

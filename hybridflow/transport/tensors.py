@@ -463,7 +463,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     """Zero-copy bytes of a contiguous CPU tensor."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(_flat_bytes(t).numpy())
+    return memoryview(_flat_bytes(t).numpy())  # type: ignore[arg-type]  # numpy stubs: no Buffer
 
 
 def _copy_frame(frame: Any, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
@@ -471,7 +471,7 @@ def _copy_frame(frame: Any, dtype: torch.dtype, shape: list[int]) -> torch.Tenso
     out = torch.empty(shape, dtype=dtype)
     if out.numel():
         buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
-        memoryview(_flat_bytes(out).numpy())[:] = buf
+        memoryview(_flat_bytes(out).numpy())[:] = buf  # type: ignore[arg-type]
     return out
 
 

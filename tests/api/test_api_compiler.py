@@ -3,13 +3,19 @@ bundled YAML presets' dataflow; everything outside the grammar is refused with i
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import CompileError
 from hybridflow.pipeline.compiler import expr
-from hybridflow.pipeline.compiler.frontend import KINDS, compile_step
+from hybridflow.pipeline.compiler.frontend import KINDS, analyze, compile_step
+from hybridflow.pipeline.compiler.ir import KL, Alias, Apply, Arith, Call, Penalty, StepIR, Value
+from hybridflow.pipeline.compiler.lowering import lower
 from hybridflow.pipeline.compiler.plan import build_plan
 
 ALL = ["actor", "rollout", "reference", "critic", "reward"]
@@ -214,3 +220,104 @@ def test_every_kind_names_its_runtime_tensors():
     assert KINDS["score"].fields == ("rewards",)
     assert KINDS["response"].fields[:2] == ("response_ids", "response_mask")
     assert all(k.doc for k in KINDS.values())
+
+
+# ------------------------------------------------------------------ the typed IR
+
+PROMPT = Value("prompt", "prompt", 0)
+
+
+def _seq_calls(gen_params: dict) -> tuple[Call, ...]:
+    """Lines 1-4 shared by SEED and GRPO: generate, score, ref and actor log-probs."""
+    response = Value("response", "response", 1)
+    seq = (PROMPT, response)
+    return (
+        Call(1, "rollout", "generate", (PROMPT,), response, gen_params),
+        Call(2, "reward", "score", seq, Value("reward_score", "score", 2)),
+        Call(3, "reference", "get_logprob", seq, Value("ref_logprob", "ref_logprob", 3)),
+        Call(4, "actor", "get_logprob", seq, Value("actor_logprob", "actor_logprob", 4)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("logic", "roles", "gen_params", "kl_estimator", "loss_fn", "loss_options"),
+    [
+        (GRPO, NO_CRITIC, {"n": 8}, "k3", "grpo_loss", {"kl_coef": 0.01}),
+        (SEED, ALL, {}, "k1", "ppo_loss", {}),  # `actor_logprob - ref_logprob` folds to KL
+    ],
+    ids=["grpo", "ppo"],
+)
+def test_the_frontend_produces_typed_ir(
+    logic, roles, gen_params, kl_estimator, loss_fn, loss_options
+):
+    ir = analyze(logic, ["prompt"], OUTPUTS, roles)
+    assert isinstance(ir, StepIR)
+    gen, score, ref, alp = _seq_calls(gen_params)
+    kl_div = Value("kl_div", "kl", 5)
+    loss = Value("loss", "policy_loss", 6)
+    assert ir.inputs == (PROMPT,)
+    assert ir.calls == (gen, score, ref, alp, Call(7, "actor", "update", (loss,), None))
+    assert dict(ir.assigns) == {
+        "response": gen,
+        "reward_score": score,
+        "ref_logprob": ref,
+        "actor_logprob": alp,
+        "kl_div": KL(5, alp.result, ref.result, kl_estimator, kl_div),
+        "loss": Apply(6, loss_fn, (score.result, kl_div), loss, loss_options),
+    }
+    assert ir.outputs == tuple(OUTPUTS) and ir.roles == frozenset(roles)
+    assert ir.call("actor", "update") == ir.calls[-1] and ir.call("critic", "update") is None
+    # Lowering reads only the IR: the same dataflow as compile_step.
+    assert lower(ir) == compile_step(logic, ["prompt"], OUTPUTS, roles)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ir.calls[0].op = "train"  # type: ignore[misc]
+
+
+def test_penalty_arith_and_alias_are_typed():
+    logic = """
+    response = actor.generate(prompt)
+    reward_score = reward.score(prompt, response)
+    ref_logprob = ref.get_logprob(prompt, response)
+    actor_logprob = actor.get_logprob(prompt, response)
+    kl_div = actor_logprob - ref_logprob
+    shaped = reward_score - 0.05 * kl_div
+    bonus = 2 * shaped + 1
+    again = bonus
+    loss = ppo_loss(again)
+    actor.update(loss)
+    """
+    ir = analyze(logic, ["prompt"], ["loss"], ALL)
+    v = ir.values
+    assert ir.assigns["shaped"] == Penalty(6, v["reward_score"], v["kl_div"], 0.05, v["shaped"])
+    assert ir.assigns["bonus"] == Arith(7, "2 * shaped + 1", (v["shaped"],), False, v["bonus"])
+    assert ir.assigns["again"] == Alias(8, v["bonus"], Value("again", "score", 8))
+    assert ir.resolve(v["again"]) == v["bonus"]
+    assert ir.definition(PROMPT) is None
+
+
+def test_compiler_modules_import_each_other_without_a_cycle():
+    root = Path(expr.__file__).parent
+    modules = {p.stem for p in root.glob("*.py") if p.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for m in modules:
+        tree = ast.parse((root / f"{m}.py").read_text())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.startswith("hybridflow.pipeline.compiler."):
+                    deps.add(node.module.rsplit(".", 1)[1])
+                elif node.module == "hybridflow.pipeline.compiler":
+                    deps |= {a.name for a in node.names}
+        graph[m] = deps & modules
+    assert "frontend" not in graph["lowering"] and graph["ir"] == set()
+    done: set[str] = set()
+
+    def visit(m: str, path: tuple[str, ...]) -> None:
+        assert m not in path, f"import cycle: {' -> '.join((*path, m))}"
+        if m not in done:
+            for d in graph[m]:
+                visit(d, (*path, m))
+            done.add(m)
+
+    for m in graph:
+        visit(m, ())

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridflow.config.imports import split_spec
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import LOG_LEVELS, Topology, load_topology
 from hybridflow.errors import ConfigError
@@ -133,10 +134,8 @@ class DataflowBuilder:
     ) -> DataflowBuilder:
         """A Python reward function `package.module:function` (batched signature, see
         hybridflow.stages.reward.function); imported by name in its stage process."""
-        if not isinstance(function, str) or ":" not in function:
-            raise ConfigError(
-                "add_reward_function", f"give 'package.module:function', got {function!r}"
-            )
+        # Syntax only: the function is imported in its stage process.
+        split_spec(function, "add_reward_function", form="package.module:function")
         mapping = _role_mapping(device_mapping, "reward", ("reward",))
         return self._add("reward", "function", {"function": function, **options}, mapping)
 
@@ -478,7 +477,7 @@ def spec_map_is_default(builder: DataflowBuilder) -> bool:
 
 def _with_weight_sync(compiled: CompiledStep, stages: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The dataflow, plus `rollout.load_weights` after `actor.reshard` when the rollout
-    lives in another stage (pipeline/weight_sync.py streams the weights between them)."""
+    lives in another stage (pipeline/host/weight_sync.py streams the weights between them)."""
     ops = [to_dict(op) for op in compiled.dataflow]
     where = {role: name for name, cfg in stages.items() for role in cfg["roles"]}
     apart = where.get("rollout") != where.get("actor")

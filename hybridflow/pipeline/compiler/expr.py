@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -73,7 +73,7 @@ def _evaluate(node: ast.AST, values: Batch) -> Any:
     if isinstance(node, ast.Name):
         return values[node.id]
     if isinstance(node, ast.Constant):
-        return float(node.value)
+        return float(cast(float, node.value))  # check_expr admits numbers only
     if isinstance(node, ast.UnaryOp):
         v = _evaluate(node.operand, values)
         return -v if isinstance(node.op, ast.USub) else v

@@ -1,6 +1,6 @@
 """The step-logic compiler: `DataflowBuilder.define_training_step(logic=...)` -> dataflow ops.
 
-    logic text --ast.parse--> statements --check (names, roles, kinds)--> typed values
+    logic text --ast.parse--> statements --analyze (names, roles, kinds)--> StepIR
                --lower--> Topology.dataflow (OpConfig list) + role options + data fields
 
 The logic is parsed with Python's `ast` and NEVER executed. Allowed, one per line:
@@ -26,8 +26,8 @@ concurrent in the scheduler (reward, ref and actor log-prob all start once `resp
 exists) and micro-batches stream. Two logics that say the same thing in a different
 order compile to the same list.
 
-Modules: step_grammar.py (the tables and the parser), this one (names, kinds, checks:
-`compile_step`), lowering.py (typed values -> ops).
+Modules: grammar.py (the tables and the parser), this one (names, kinds, checks:
+`analyze` -> the typed IR of ir.py; `compile_step`), lowering.py (IR -> ops).
 
 Invariant: `compile_step` either returns a dataflow that `Topology` validation accepts
 (given the roles it was told exist) or raises CompileError; it imports no torch.
@@ -39,6 +39,7 @@ import ast
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hybridflow.algos.kl import KL_ALIASES, KL_KINDS
 from hybridflow.errors import CompileError
 from hybridflow.pipeline.compiler import expr as expr_ops
 from hybridflow.pipeline.compiler.grammar import (
@@ -47,15 +48,35 @@ from hybridflow.pipeline.compiler.grammar import (
     KINDS,
     ROLE_METHODS,
     ROLES,
-    CompiledStep,
     LogicParser,
     Stmt,
-    Sym,
     parse_logic,
+)
+from hybridflow.pipeline.compiler.ir import (
+    KL,
+    Alias,
+    Apply,
+    Arith,
+    Assign,
+    Call,
+    CompiledStep,
+    Penalty,
+    Scalar,
+    StepIR,
+    Value,
 )
 from hybridflow.pipeline.compiler.lowering import lower
 
-__all__ = ["ALGORITHMS", "KINDS", "ROLES", "ROLE_METHODS", "CompiledStep", "compile_step"]
+__all__ = [
+    "ALGORITHMS",
+    "KINDS",
+    "ROLES",
+    "ROLE_METHODS",
+    "CompiledStep",
+    "StepIR",
+    "analyze",
+    "compile_step",
+]
 
 
 def compile_step(
@@ -66,32 +87,44 @@ def compile_step(
 ) -> CompiledStep:
     """Compile `logic` for a builder that declared runtime `roles` (actor, rollout,
     reference, critic, reward). Raises CompileError (a ConfigError) naming the line."""
+    return lower(analyze(logic, inputs, outputs, roles))
+
+
+def analyze(
+    logic: str,
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+    roles: Sequence[str] | Mapping[str, Any],
+) -> StepIR:
+    """Parse and check `logic` (names, roles, argument kinds, options) -> its typed IR.
+    Raises CompileError naming the line."""
     front, stmts = parse_logic(logic)
-    return _Compiler(front, stmts, tuple(inputs), tuple(outputs), set(roles)).run()
+    return _Checker(front, stmts, tuple(inputs), tuple(outputs), frozenset(roles)).run()
 
 
-class _Compiler:
+class _Checker:
     def __init__(
         self,
         front: LogicParser,
         stmts: list[Stmt],
         inputs: tuple[str, ...],
         outputs: tuple[str, ...],
-        roles: set[str],
+        roles: frozenset[str],
     ) -> None:
         self.front, self.stmts = front, stmts
         self.inputs, self.outputs, self.roles = inputs, outputs, roles
-        self.env: dict[str, Sym] = {}
-        self.calls: dict[tuple[str, str], Stmt] = {}  # (role, op) -> its statement
-        self.updates: dict[str, Sym] = {}  # "actor"/"critic" -> what the update consumes
+        self.env: dict[str, Value] = {}
+        self.assigns: dict[str, Assign] = {}
+        self.calls: dict[tuple[str, str], Call] = {}  # (role, op) -> the call
 
     def err(self, where: Stmt | int, message: str) -> CompileError:
         return self.front.error(where.line if isinstance(where, Stmt) else where, message)
 
     # -- checks -------------------------------------------------------------------------
-    def run(self) -> CompiledStep:
+    def run(self) -> StepIR:
         if not self.inputs:
             raise CompileError(0, "inputs must name at least one data value, e.g. ['prompt']")
+        step_inputs = []
         for name in self.inputs:
             if name not in INPUTS:
                 raise CompileError(
@@ -99,16 +132,24 @@ class _Compiler:
                     f"input {name!r} is not a value the data source provides; use one of "
                     f"{', '.join(INPUTS)}",
                 )
-            self.env[name] = Sym(name, INPUTS[name], 0)
+            self.env[name] = Value(name, INPUTS[name], 0)
+            step_inputs.append(self.env[name])
         for st in self.stmts:
             self._statement(st)
         for name in self.outputs:
             self._resolve_output(name)
-        return lower(self)
+        return StepIR(
+            inputs=tuple(step_inputs),
+            assigns=dict(self.assigns),
+            calls=tuple(self.calls.values()),
+            outputs=self.outputs,
+            roles=self.roles,
+            lines=tuple(self.front.lines),
+        )
 
-    def _use(self, st: Stmt, name: str) -> Sym:
-        sym = self.env.get(name)
-        if sym is None:
+    def _use(self, st: Stmt, name: str) -> Value:
+        value = self.env.get(name)
+        if value is None:
             later = next((s.line for s in self.stmts if s.target == name), None)
             if later is not None:
                 raise self.err(st, f"{name!r} is used before it is assigned (on line {later})")
@@ -117,10 +158,10 @@ class _Compiler:
                 f"{name!r} is not defined; inputs are {', '.join(self.inputs)} and values are "
                 "assigned before use",
             )
-        sym.used = True
-        return sym
+        return value
 
-    def _bind(self, st: Stmt, kind: str, info: dict[str, Any]) -> None:
+    def _new(self, st: Stmt, kind: str) -> Value:
+        """The value `st` assigns (checked: a fresh name that is no role or function)."""
         assert st.target is not None
         name = st.target
         if name in self.env:
@@ -129,16 +170,22 @@ class _Compiler:
             raise self.err(st, f"{name!r} is {where}; every value is assigned exactly once")
         if name in ROLES or name in ALGORITHMS:
             raise self.err(st, f"{name!r} names a role or function; pick another value name")
-        self.env[name] = Sym(name, kind, st.line, info)
+        return Value(name, kind, st.line)
 
-    def _match(self, st: Stmt, what: str, accepted: tuple[tuple[str, ...], ...]) -> list[Sym]:
-        syms = [self._use(st, a) for a in st.args]
-        kinds = tuple(s.kind for s in syms)
+    def _bind(self, assign: Assign) -> None:
+        result = assign.result
+        assert result is not None
+        self.env[result.name] = result
+        self.assigns[result.name] = assign
+
+    def _match(self, st: Stmt, what: str, accepted: tuple[tuple[str, ...], ...]) -> list[Value]:
+        args = [self._use(st, a) for a in st.args]
+        kinds = tuple(v.kind for v in args)
         if kinds not in accepted:
-            got = ", ".join(f"{s.name}: {s.kind}" for s in syms) or "nothing"
+            got = ", ".join(f"{v.name}: {v.kind}" for v in args) or "nothing"
             want = " | ".join("(" + ", ".join(a) + ")" for a in accepted)
             raise self.err(st, f"{what} takes {want}; got ({got})")
-        return syms
+        return args
 
     def _statement(self, st: Stmt) -> None:
         if st.form == "role":
@@ -154,7 +201,7 @@ class _Compiler:
         needed = m.runtime_role
         if needed not in self.roles:
             raise self.err(st, f"{label} needs a {_ADDER.get(needed, needed)}; none was added")
-        syms = self._match(st, label, m.args)
+        args = self._match(st, label, m.args)
         bad = [k for k, _ in st.kwargs if k not in m.options]
         if bad:
             raise self.err(
@@ -165,68 +212,76 @@ class _Compiler:
         if (m.runtime_role, m.op) in self.calls:
             first = self.calls[(m.runtime_role, m.op)].line
             raise self.err(st, f"{label} is already called on line {first}; call it once per step")
-        self.calls[(m.runtime_role, m.op)] = st
         if m.result is None:
             if st.target is not None:
                 raise self.err(st, f"{label} returns nothing; call it without `name =`")
-            self.updates[m.runtime_role] = syms[0]
-            return
-        if st.target is None:
+            result = None
+        elif st.target is None:
             raise self.err(st, f"the result of {label} is dropped; assign it to a name")
-        self._bind(st, m.result, {"args": syms, "params": dict(st.kwargs)})
+        else:
+            result = self._new(st, m.result)
+        call = Call(st.line, m.runtime_role, m.op, tuple(args), result, dict(st.kwargs))
+        self.calls[(m.runtime_role, m.op)] = call
+        if result is not None:
+            self._bind(call)
 
     def _algorithm(self, st: Stmt) -> None:
         algo = ALGORITHMS[st.method]
         if st.target is None:
             raise self.err(st, f"the result of {st.method}(...) is dropped; assign it to a name")
-        syms = self._match(st, f"{st.method}(...)", algo.args)
+        args = self._match(st, f"{st.method}(...)", algo.args)
         opts = dict(st.kwargs)
         bad = [k for k in opts if k not in algo.options]
         if bad:
             raise self.err(
                 st, f"{st.method}() has no option {bad[0]!r}; options: {', '.join(algo.options)}"
             )
-        info: dict[str, Any] = {"fn": st.method, "args": syms, "opts": opts}
         if st.method == "kl":
-            info["estimator"] = _kl_kind(self, st, opts.get("kind", "k3"))
-        self._bind(st, algo.result, info)
+            estimator = _kl_kind(self, st, opts.get("kind", "k3"))
+            self._bind(KL(st.line, args[0], args[1], estimator, self._new(st, algo.result)))
+            return
+        result = self._new(st, algo.result)
+        if st.method == "kl_penalty":
+            coef = opts.get("coef")
+            if coef is not None and _number_option(coef) is None:
+                raise self.err(st, f"kl_penalty(): coef= must be a number, got {coef!r}")
+            self._bind(Penalty(st.line, args[0], args[1], _number_option(coef), result))
+        else:
+            self._bind(Apply(st.line, st.method, tuple(args), result, opts))
 
     def _arith(self, st: Stmt) -> None:
         assert st.expr is not None
-        syms = [self._use(st, n) for n in expr_ops.names_in(st.expr)]
-        folded = _fold_arith(st.expr, self.env)
+        args = [self._use(st, n) for n in expr_ops.names_in(st.expr)]
+        folded = _fold_arith(self, st)
         if folded is not None:
-            kind, info = folded
-            self._bind(st, kind, info)
+            self._bind(folded)
             return
         if isinstance(st.expr, ast.Name):  # an alias
             src = self.env[st.expr.id]
-            assert st.target is not None
-            self._bind(st, src.kind, dict(src.info, alias_of=src))
+            self._bind(Alias(st.line, src, self._new(st, src.kind)))
             return
-        kinds = {s.kind for s in syms}
+        kinds = {v.kind for v in args}
         per_token = {"actor_logprob", "ref_logprob", "values", "advantages"}
-        for s in syms:
-            if not KINDS[s.kind].fields and s.kind != "tensor":
+        for v in args:
+            if not KINDS[v.kind].fields and v.kind != "tensor":
                 raise self.err(
                     st,
-                    f"{s.name} ({s.kind}) is not a tensor the dataflow carries; arithmetic "
+                    f"{v.name} ({v.kind}) is not a tensor the dataflow carries; arithmetic "
                     "works on scores, log-probs, values and advantages",
                 )
-            if s.kind in ("prompt", "response"):
-                raise self.err(st, f"{s.name} is a token sequence; arithmetic on it means nothing")
+            if v.kind in ("prompt", "response"):
+                raise self.err(st, f"{v.name} is a token sequence; arithmetic on it means nothing")
         kind = "score" if kinds == {"score"} else "tensor"
+        result = self._new(st, kind)
         self._bind(
-            st,
-            kind,
-            {"expr": st.expr, "args": syms, "per_token": bool(kinds & per_token)},
+            Arith(st.line, ast.unparse(st.expr), tuple(args), bool(kinds & per_token), result)
         )
 
     def _resolve_output(self, name: str) -> None:
         if name in self.env:
             return
-        for sym in self.env.values():  # a runtime name of a produced value (`rewards`)
-            if name in KINDS[sym.kind].fields:
+        for value in self.env.values():  # a runtime name of a produced value (`rewards`)
+            if name in KINDS[value.kind].fields:
                 return
         produced = [n for n in self.env if n not in self.inputs]
         raise CompileError(
@@ -249,54 +304,54 @@ def _logic_role(runtime_role: str) -> str:
     return "ref" if runtime_role == "reference" else runtime_role
 
 
-def _kl_kind(comp: _Compiler, st: Stmt, kind: Any) -> str:
-    aliases = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
-    kind = aliases.get(kind, kind)
-    if kind not in ("k1", "k2", "k3"):
-        raise comp.err(st, f"KL kind must be k1, k2 or k3 (or kl, mse, low_var_kl); got {kind!r}")
+def _kl_kind(checker: _Checker, st: Stmt, kind: Scalar) -> str:
+    kind = KL_ALIASES.get(kind, kind) if isinstance(kind, str) else kind
+    if kind not in KL_KINDS:
+        kinds = f"{', '.join(KL_KINDS[:-1])} or {KL_KINDS[-1]}"
+        aliases = ", ".join(KL_ALIASES)
+        raise checker.err(st, f"KL kind must be {kinds} (or {aliases}); got {kind!r}")
     return str(kind)
 
 
-def _fold_arith(node: ast.expr, env: dict[str, Sym]) -> tuple[str, dict[str, Any]] | None:
+def _fold_arith(checker: _Checker, st: Stmt) -> KL | Penalty | None:
     """Patterns with a meaning of their own (not a generic driver op):
-    actor_logprob - ref_logprob       -> kl (k1 estimator)
-    score - c * kl | score - kl * c | score - kl   -> score with a KL penalty (coef c)
+    actor_logprob - ref_logprob       -> KL (k1 estimator)
+    score - c * kl | score - kl * c | score - kl   -> Penalty (a KL penalty of coef c)
     """
+    env = checker.env
+    node = st.expr
+
+    def value(n: ast.expr) -> Value | None:
+        return env.get(n.id) if isinstance(n, ast.Name) else None
 
     def kind(n: ast.expr) -> str | None:
-        return env[n.id].kind if isinstance(n, ast.Name) and n.id in env else None
+        v = value(n)
+        return v.kind if v is not None else None
 
     if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)):
         return None
-    left, right = node.left, node.right
-    if kind(left) == "actor_logprob" and kind(right) == "ref_logprob":
-        assert isinstance(left, ast.Name) and isinstance(right, ast.Name)
-        return "kl", {
-            "fn": "logprob_diff",
-            "args": [env[left.id], env[right.id]],
-            "estimator": "k1",
-        }
-    if kind(left) != "score":
+    left, right = value(node.left), node.right
+    if left is None:
         return None
-    assert isinstance(left, ast.Name)
+    if left.kind == "actor_logprob" and kind(right) == "ref_logprob":
+        ref = value(right)
+        assert ref is not None
+        return KL(st.line, left, ref, "k1", checker._new(st, "kl"))
+    if left.kind != "score":
+        return None
     coef: float | None = None
-    kl_name: str | None = None
+    kl: Value | None = None
     if kind(right) == "kl":
-        assert isinstance(right, ast.Name)
-        coef, kl_name = 1.0, right.id
+        coef, kl = 1.0, value(right)
     elif isinstance(right, ast.BinOp) and isinstance(right.op, ast.Mult):
         a, b = right.left, right.right
         if kind(a) == "kl" and _number(b) is not None:
-            kl_name, coef = a.id, _number(b)  # type: ignore[attr-defined]
+            kl, coef = value(a), _number(b)
         elif kind(b) == "kl" and _number(a) is not None:
-            kl_name, coef = b.id, _number(a)  # type: ignore[attr-defined]
-    if kl_name is None or coef is None:
+            kl, coef = value(b), _number(a)
+    if kl is None or coef is None:
         return None
-    return "score", {
-        "fn": "kl_penalty",
-        "args": [env[left.id], env[kl_name]],
-        "opts": {"coef": coef},
-    }
+    return Penalty(st.line, left, kl, coef, checker._new(st, "score"))
 
 
 def _number(node: ast.expr) -> float | None:
@@ -305,4 +360,10 @@ def _number(node: ast.expr) -> float | None:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         v = _number(node.operand)
         return None if v is None else -v
+    return None
+
+
+def _number_option(value: Scalar) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
     return None

@@ -6,24 +6,24 @@ Tables (the ONE place that names things):
   ROLES         logic role names -> topology roles (`ref` is `reference`)
   ROLE_METHODS  role.method(...) calls: accepted argument kinds, result kind, options
   ALGORITHMS    algorithm functions: accepted argument kinds, result kind, options
+                (the advantage estimators among them come from hybridflow.algos'
+                ADVANTAGE_ESTIMATORS: one function per estimator, its options)
 Parser: `parse_logic(text)` -> `Stmt`s, one per line, or a CompileError naming the line
 and the reason (imports, loops, attributes of other objects, lambdas, subscripts, dunder
-names, unknown functions, ... are refused here). Also the value types the compiler and
-the lowering share (`Sym`, `CompiledStep`).
+names, unknown functions, ... are refused here). The typed values the frontend makes of
+the statements are in ir.py.
 """
 
 from __future__ import annotations
 
 import ast
 import textwrap
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from hybridflow.config.schema import DRIVER_ROLE, OpConfig
+from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS
 from hybridflow.errors import CompileError
 from hybridflow.pipeline.compiler import expr as expr_ops
-
-Scalar = bool | int | float | str | None
+from hybridflow.pipeline.compiler.ir import Scalar
 
 # ---------------------------------------------------------------------------------------
 # THE name table: what a logic value stands for on the wire.
@@ -110,26 +110,35 @@ _LOSS_OPTIONS = (
     "kl_coef",
     "kl_type",
 )
+# Every option of any advantage estimator, in table order (a loss that estimates its own
+# advantages takes them).
+ESTIMATOR_OPTIONS: tuple[str, ...] = tuple(
+    dict.fromkeys(o for spec in ADVANTAGE_ESTIMATORS.values() for o in spec.options)
+)
 ALGORITHMS: dict[str, Algorithm] = {
     "ppo_loss": Algorithm(
         (("score",), ("score", "kl"), ("advantages",), ("advantages", "kl")),
         "policy_loss",
-        (*_LOSS_OPTIONS, "estimator", "gamma", "lam", "whiten", "norm_std"),
+        (*_LOSS_OPTIONS, "estimator", *ESTIMATOR_OPTIONS),
         "PPO clip loss; from a score it estimates advantages (GAE with a critic, else "
         "`estimator`); a KL argument becomes a penalty in the reward",
     ),
     "grpo_loss": Algorithm(
         (("score",), ("score", "kl")),
         "policy_loss",
-        (*_LOSS_OPTIONS, "norm_std", "estimator"),
+        (*_LOSS_OPTIONS, *ADVANTAGE_ESTIMATORS["grpo"].options, "estimator"),
         "PPO clip loss on group-normalised advantages; a KL argument becomes a loss term",
     ),
-    "gae": Algorithm(
-        (("score", "values"),), "advantages", ("gamma", "lam", "whiten"), "GAE advantages"
-    ),
-    "grpo": Algorithm((("score",),), "advantages", ("norm_std",), "GRPO group advantages"),
-    "rloo": Algorithm((("score",),), "advantages", (), "RLOO leave-one-out advantages"),
-    "reinforce_pp": Algorithm((("score",),), "advantages", ("gamma",), "REINFORCE++"),
+    # One function per advantage estimator: `advantages = gae(score, values)`, `grpo(score)`.
+    **{
+        name: Algorithm(
+            (("score", "values"),) if spec.needs_values else (("score",),),
+            "advantages",
+            spec.options,
+            spec.doc,
+        )
+        for name, spec in ADVANTAGE_ESTIMATORS.items()
+    },
     "kl": Algorithm((("actor_logprob", "ref_logprob"),), "kl", ("kind",), "per-token KL estimate"),
     "kl_penalty": Algorithm(
         (("score", "kl"),), "score", ("coef",), "the reward minus coef * KL (PPO penalty)"
@@ -368,34 +377,3 @@ def parse_logic(text: str) -> tuple[LogicParser, list[Stmt]]:
     """-> (the parser, holding the source lines for error messages; the statements)."""
     front = LogicParser(text)
     return front, front.parse()
-
-
-# ---------------------------------------------------------------------------------------
-# Middle: names and kinds. Each value is a symbol; folding (KL into its consumer, a
-# score's penalty into the advantage op) happens on symbols, so nothing is emitted twice.
-
-
-@dataclass
-class Sym:
-    name: str
-    kind: str
-    line: int
-    # what it is made of (kind-specific):
-    info: dict[str, Any] = field(default_factory=dict)
-    used: bool = False
-
-
-@dataclass(frozen=True)
-class CompiledStep:
-    """What a logic compiles to. `dataflow` is the Topology's op list."""
-
-    dataflow: tuple[OpConfig, ...]
-    data_fields: tuple[str, ...]
-    role_options: dict[str, dict[str, Any]]  # runtime role -> options the logic implies
-    outputs: dict[str, str]  # declared output -> metric key ("" : the collected tensor)
-    collect: tuple[str, ...]  # runtime values to collect for outputs without a metric
-    values: dict[str, str]  # logic name -> kind
-
-    @property
-    def roles(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(op.role for op in self.dataflow if op.role != DRIVER_ROLE))

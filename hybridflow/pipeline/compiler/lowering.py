@@ -1,4 +1,8 @@
-"""Lowering: the checked, typed values of a step logic -> Topology dataflow ops.
+"""Lowering: the typed IR of a checked step logic (ir.StepIR) -> Topology dataflow ops.
+
+Consumes a StepIR (frontend.analyze) and nothing else of the frontend; produces a
+CompiledStep. Which estimator needs critic values or groups, and which options it takes,
+is read from hybridflow.algos' ADVANTAGE_ESTIMATORS.
 
 The shapes produced are the bundled presets' (grpo/ppo), so a logic that says what a
 preset does compiles to that preset's op list:
@@ -17,32 +21,38 @@ generate become rollout options, `n` the data source's samples_per_prompt.
 from __future__ import annotations
 
 import ast
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
+from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS, EstimatorSpec
 from hybridflow.config.schema import DRIVER_ROLE, OpConfig
 from hybridflow.errors import CompileError
-from hybridflow.pipeline.compiler import expr as expr_ops
-from hybridflow.pipeline.compiler.grammar import KINDS, CompiledStep, Sym
+from hybridflow.pipeline.compiler.grammar import ESTIMATOR_OPTIONS, KINDS
+from hybridflow.pipeline.compiler.ir import (
+    KL,
+    Apply,
+    Arith,
+    Call,
+    CompiledStep,
+    Penalty,
+    Scalar,
+    StepIR,
+    Value,
+)
 
-if TYPE_CHECKING:
-    from hybridflow.pipeline.compiler.frontend import _Compiler
 
-
-def lower(comp: _Compiler) -> CompiledStep:
-    return _Lowering(comp).run()
+def lower(ir: StepIR) -> CompiledStep:
+    """The dataflow of a checked step logic; CompileError for what is well-typed but has
+    no dataflow (no generate, a critic update without GAE, ...)."""
+    return _Lowering(ir).run()
 
 
 SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
-_ADV_ALGOS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp"}
-_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-_ADV_PARAMS = {  # the params the `advantages` op gets per estimator, with defaults
-    "gae": {"gamma": 1.0, "lam": 0.95, "whiten": True},
-    "grpo": {"norm_std": True},
-    "rloo": {},
-    "reinforce_pp": {"gamma": 1.0},
-    "reinforce_pp_baseline": {"gamma": 1.0},
-}
+# What a compiled step writes out for an estimator option the logic leaves unset (the
+# bundled presets' values; lam 0.95 is the PPO practice). Options not listed here are
+# left to the `advantages` op's own defaults.
+WRITTEN_DEFAULTS: dict[str, Scalar] = {"gamma": 1.0, "lam": 0.95, "whiten": True, "norm_std": True}
 PPO_KL = {"kl_coef": 0.05, "kl_target": 0.1, "kl_horizon": 10000}  # penalty in the reward
 GRPO_KL_COEF = 0.01  # KL as an actor loss term; the `grpo` preset uses the same value
 DEFAULT_GROUP_SIZE = 8  # samples per prompt for group estimators when generate says no n
@@ -58,24 +68,64 @@ ARITH_OP = "hybridflow.pipeline.compiler.expr:arith"
 SCORE_ADV_OP = "hybridflow.pipeline.compiler.expr:ScoreAdvantages"
 
 
+@dataclass(frozen=True)
+class _Penalty:
+    """PPO: KL in the reward, inside the advantages op."""
+
+    kl: KL
+    kl_coef: float
+    kl_target: float | None  # None: a fixed coefficient
+
+
+@dataclass(frozen=True)
+class _LossKL:
+    """GRPO: KL as a term of the actor loss."""
+
+    kl: KL
+    coef: float
+
+
+@dataclass(frozen=True)
+class _Loss:
+    """The actor's policy loss, resolved: the estimator, its inputs and the KL's place."""
+
+    fn: str  # ppo_loss | grpo_loss
+    line: int
+    spec: EstimatorSpec
+    adv_params: dict[str, Scalar]
+    score: Value  # the reward score (or an Arith value derived from it)
+    values: Value | None  # critic values the estimator reads
+    implicit_values: bool  # the estimator needs values no logic line asked for
+    penalty: _Penalty | None = None
+    loss_kl: _LossKL | None = None
+    score_key: str = "rewards"  # the runtime value holding the scores
+    actor_options: dict[str, Scalar] = field(default_factory=dict)
+    critic_options: dict[str, Scalar] = field(default_factory=dict)
+
+    @property
+    def critic_update(self) -> bool:
+        """A critic that feeds the estimator learns from its returns."""
+        return self.spec.needs_values
+
+
 class _Lowering:
-    def __init__(self, comp: _Compiler) -> None:
-        self.c = comp
+    def __init__(self, ir: StepIR) -> None:
+        self.ir = ir
         self.role_options: dict[str, dict[str, Any]] = {}
         self.data_options: dict[str, Any] = {}
-        self.arith: dict[str, OpConfig] = {}  # arith ops by output name (emitted once)
+        self.old_key = "rollout_logprobs"
 
     def opt(self, role: str, **kv: Any) -> None:
         self.role_options.setdefault(role, {}).update(kv)
 
     def run(self) -> CompiledStep:
-        c = self.c
-        gen = c.calls.get(("rollout", "generate"))
+        ir = self.ir
+        gen = ir.call("rollout", "generate")
         if gen is None:
             raise CompileError(
                 0, "the logic never generates: start with `response = actor.generate(prompt)`"
             )
-        gen_opts = dict(gen.kwargs)
+        gen_opts = dict(gen.params)
         for key in _ROLLOUT_OPTIONS:
             if key in gen_opts:
                 self.opt("rollout", **{key: gen_opts[key]})
@@ -88,15 +138,15 @@ class _Lowering:
         )
         self.old_key = "old_logprobs" if truncated else "rollout_logprobs"
         loss = self._policy_loss()
-        group = loss is not None and loss["estimator"] in GROUP_ESTIMATORS
+        group = loss is not None and loss.spec.needs_groups
         n = gen_opts.get("n")
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise self.c.err(gen, f"n= must be an int >= 1 (samples per prompt), got {n!r}")
-        if group:
+            raise ir.error(gen.line, f"n= must be an int >= 1 (samples per prompt), got {n!r}")
+        if loss is not None and group:
             n = DEFAULT_GROUP_SIZE if n is None else n
             if n < 2:
-                raise self.c.err(
-                    gen, f"{loss['fn']} compares the samples of a prompt: n= must be >= 2"
+                raise ir.error(
+                    gen.line, f"{loss.fn} compares the samples of a prompt: n= must be >= 2"
                 )
         self.data_options["samples_per_prompt"] = n or 1
 
@@ -110,7 +160,8 @@ class _Lowering:
             )
         ]
         fields = ["prompt_ids", "prompt_mask", "metadata_json"] + (["group_index"] if group else [])
-        need = self._needed(loss)
+        arith = self._emitted_arith(loss)
+        need = self._needed(loss, arith)
         if "reward" in need:
             ops.append(
                 OpConfig(
@@ -127,9 +178,7 @@ class _Lowering:
             ops.append(OpConfig("actor", "get_logprob", SEQ, ("old_logprobs",), phase="logprob"))
         if "critic" in need:
             ops.append(OpConfig("critic", "values", SEQ, ("values",), phase="values"))
-        for sym in c.env.values():  # arithmetic the step reports or a loss reads
-            if "expr" in sym.info and (sym.name in c.outputs or sym.info.get("feeds_loss")):
-                ops.append(self._arith_op(sym))
+        ops += [self._arith_op(a) for a in arith]  # arithmetic the step reports or a loss reads
         if loss is not None:
             ops += self._training_ops(loss, group)
         outputs, collect = self._outputs()
@@ -139,161 +188,208 @@ class _Lowering:
             role_options={**self.role_options, "data": self.data_options},
             outputs=outputs,
             collect=collect,
-            values={name: s.kind for name, s in c.env.items()},
+            values={name: v.kind for name, v in ir.values.items()},
         )
 
     # -- the policy loss, resolved --------------------------------------------------------
-    def _policy_loss(self) -> dict[str, Any] | None:
-        c = self.c
-        sym = c.updates.get("actor")
-        if sym is None:
-            if "critic" in c.updates:
+    def _policy_loss(self) -> _Loss | None:
+        ir = self.ir
+        update = ir.call("actor", "update")
+        critic_call = ir.call("critic", "update")
+        if update is None:
+            if critic_call is not None:
                 raise CompileError(
-                    c.calls[("critic", "update")].line,
+                    critic_call.line,
                     "critic.update without actor.update: the critic only serves the policy",
                 )
             return None
-        sym = _unalias(sym)
-        fn, args, opts = sym.info["fn"], sym.info["args"], dict(sym.info["opts"])
-        line = sym.line
-        first = _unalias(args[0])
-        kl = _unalias(args[1]) if len(args) > 1 else None
-        out: dict[str, Any] = {"fn": fn, "line": line, "kl": None, "kl_mode": None}
-        values: Sym | None = None
+        loss_value = ir.resolve(update.args[0])
+        apply = ir.definition(loss_value)
+        assert isinstance(apply, Apply)  # policy_loss values come from ppo_loss / grpo_loss
+        fn, args, opts = apply.fn, apply.args, dict(apply.options)
+        line = loss_value.line
+        first = ir.resolve(args[0])
+        kl_value = ir.resolve(args[1]) if len(args) > 1 else None
+        values: Value | None = None
         if first.kind == "advantages":
-            adv = first
-            estimator = _ADV_ALGOS[adv.info["fn"]]
-            adv_opts = dict(adv.info["opts"])
-            score = _unalias(adv.info["args"][0])
-            if estimator == "gae":
-                values = _unalias(adv.info["args"][1])
+            adv = ir.definition(first)
+            assert isinstance(adv, Apply) and adv.fn in ADVANTAGE_ESTIMATORS
+            spec = ADVANTAGE_ESTIMATORS[adv.fn]
+            adv_opts = dict(adv.options)
+            score = ir.resolve(adv.args[0])
+            if spec.needs_values:
+                values = ir.resolve(adv.args[1])
             if "estimator" in opts:
-                raise c.err(line, "estimator= conflicts with advantages computed on their own line")
+                raise ir.error(
+                    line, "estimator= conflicts with advantages computed on their own line"
+                )
         else:
             score = first
-            adv_opts = {k: opts.pop(k) for k in ("gamma", "lam", "whiten", "norm_std") if k in opts}
+            adv_opts = {k: opts.pop(k) for k in ESTIMATOR_OPTIONS if k in opts}
             default = (
-                "grpo" if fn == "grpo_loss" else ("gae" if "critic" in c.roles else "reinforce_pp")
+                "grpo" if fn == "grpo_loss" else ("gae" if "critic" in ir.roles else "reinforce_pp")
             )
             estimator = str(opts.pop("estimator", default))
-            if estimator not in _ESTIMATORS:
-                raise c.err(
-                    line, f"estimator= must be one of {', '.join(_ESTIMATORS)}, got {estimator!r}"
-                )
-        if estimator == "gae" and values is None:
-            if "critic" not in c.roles:
-                raise c.err(
+            if estimator not in ADVANTAGE_ESTIMATORS:
+                raise ir.error(
                     line,
-                    "GAE needs a critic (df.add_critic); or use estimator='grpo'/'rloo'/'reinforce_pp'",
+                    f"estimator= must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
+                    f"got {estimator!r}",
                 )
-            values = next((s for s in c.env.values() if s.kind == "values"), None)
-            out["implicit_values"] = values is None
-        unknown = [k for k in adv_opts if k not in _ADV_PARAMS[estimator]]
+            spec = ADVANTAGE_ESTIMATORS[estimator]
+        implicit_values = False
+        if spec.needs_values and values is None:
+            if "critic" not in ir.roles:
+                others = "/".join(
+                    repr(n) for n, s in ADVANTAGE_ESTIMATORS.items() if not s.needs_values
+                )
+                raise ir.error(
+                    line,
+                    f"{spec.name.upper()} needs a critic (df.add_critic); or use "
+                    f"estimator={others}",
+                )
+            values = next((v for v in ir.values.values() if v.kind == "values"), None)
+            implicit_values = values is None
+        unknown = [k for k in adv_opts if k not in spec.options]
         if unknown:
-            raise c.err(line, f"option {unknown[0]}= does not apply to the {estimator} estimator")
-        out["adv_params"] = {"estimator": estimator, **_ADV_PARAMS[estimator], **adv_opts}
-        out["estimator"] = estimator
-        out["values"] = values
+            raise ir.error(
+                line, f"option {unknown[0]}= does not apply to the {spec.name} estimator"
+            )
+        written = {k: WRITTEN_DEFAULTS[k] for k in spec.options if k in WRITTEN_DEFAULTS}
+        adv_params: dict[str, Scalar] = {"estimator": spec.name, **written, **adv_opts}
         # The score: the reward model's `rewards`, maybe penalised by KL, maybe derived.
-        if score.info.get("fn") == "kl_penalty":
-            base, pkl = (_unalias(a) for a in score.info["args"])
-            if kl is not None:
-                raise c.err(line, "the score already carries a KL penalty; pass no KL to the loss")
-            coef = score.info["opts"].get("coef", PPO_KL["kl_coef"])
-            out["penalty"] = {"kl": pkl, "kl_coef": float(coef), "kl_target": None}
-            score = base
-        elif kl is not None and fn == "ppo_loss":
-            out["penalty"] = {
-                "kl": kl,
-                "kl_coef": float(opts.pop("kl_coef", PPO_KL["kl_coef"])),
-                "kl_target": PPO_KL["kl_target"] if "kl_coef" not in sym.info["opts"] else None,
-            }
-        elif kl is not None:  # grpo_loss: KL as a loss term of the actor
-            out["loss_kl"] = {"kl": kl, "coef": float(opts.pop("kl_coef", GRPO_KL_COEF))}
-        if "expr" in score.info:
-            score.info["feeds_loss"] = True
-            out["score_key"] = score.name
-        elif score.kind != "score" or score.info.get("fn") is not None:
-            raise c.err(line, f"{score.name} is not a reward score a loss can use")
-        out["score"] = score
+        penalty: _Penalty | None = None
+        loss_kl: _LossKL | None = None
+        score_def = ir.definition(score)
+        if isinstance(score_def, Penalty):
+            if kl_value is not None:
+                raise ir.error(
+                    line, "the score already carries a KL penalty; pass no KL to the loss"
+                )
+            coef = PPO_KL["kl_coef"] if score_def.coef is None else score_def.coef
+            penalty = _Penalty(self._kl(score_def.kl), float(coef), None)
+            score = ir.resolve(score_def.score)
+        elif kl_value is not None and fn == "ppo_loss":
+            kl_coef = self._number(line, "kl_coef", opts.pop("kl_coef", PPO_KL["kl_coef"]))
+            fixed = "kl_coef" in apply.options
+            penalty = _Penalty(self._kl(kl_value), kl_coef, None if fixed else PPO_KL["kl_target"])
+        elif kl_value is not None:  # grpo_loss: KL as a loss term of the actor
+            coef = self._number(line, "kl_coef", opts.pop("kl_coef", GRPO_KL_COEF))
+            loss_kl = _LossKL(self._kl(kl_value), coef)
+        score_key = "rewards"
+        score_def = ir.definition(score)
+        if isinstance(score_def, Arith):
+            score_key = score.name
+        elif score.kind != "score" or not isinstance(score_def, Call):
+            raise ir.error(line, f"{score.name} is not a reward score a loss can use")
         for key in ("kl_coef", "kl_type"):
             opts.pop(key, None)
-        for key, value in opts.items():
-            if key in _ACTOR_LOSS_OPTIONS:
-                self.opt("actor", **{_ACTOR_LOSS_OPTIONS[key]: value})
-        crit = c.updates.get("critic")
-        if crit is not None:
-            crit = _unalias(crit)
-            if estimator != "gae":
-                raise c.err(
-                    c.calls[("critic", "update")].line,
+        actor_options = {
+            _ACTOR_LOSS_OPTIONS[k]: v for k, v in opts.items() if k in _ACTOR_LOSS_OPTIONS
+        }
+        critic_options: dict[str, Scalar] = {}
+        if critic_call is not None:
+            crit = ir.resolve(critic_call.args[0])
+            if not spec.needs_values:
+                raise ir.error(
+                    critic_call.line,
                     f"critic.update learns from GAE returns, but the policy loss uses the "
-                    f"{estimator} estimator; use gae(...) advantages or drop critic.update",
+                    f"{spec.name} estimator; use gae(...) advantages or drop critic.update",
                 )
-            if crit.kind == "value_loss":
-                cv = crit.info["opts"].get("cliprange_value")
-                if "cliprange_value" in crit.info["opts"]:
-                    self.opt("critic", cliprange_value=cv)
-        out["critic_update"] = estimator == "gae"  # a critic that feeds GAE learns from it
-        return out
+            crit_def = ir.definition(crit)
+            if isinstance(crit_def, Apply) and "cliprange_value" in crit_def.options:
+                critic_options["cliprange_value"] = crit_def.options["cliprange_value"]
+        return _Loss(
+            fn=fn,
+            line=line,
+            spec=spec,
+            adv_params=adv_params,
+            score=score,
+            values=values,
+            implicit_values=implicit_values,
+            penalty=penalty,
+            loss_kl=loss_kl,
+            score_key=score_key,
+            actor_options=actor_options,
+            critic_options=critic_options,
+        )
 
-    def _needed(self, loss: dict[str, Any] | None) -> set[str]:
-        c = self.c
-        need = {role for (role, op) in c.calls if op != "update"}
-        if ("actor", "get_logprob") in c.calls:
+    def _number(self, line: int, name: str, value: Scalar) -> float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise self.ir.error(line, f"{name}= must be a number, got {value!r}")
+
+    def _kl(self, value: Value) -> KL:
+        d = self.ir.definition(self.ir.resolve(value))
+        assert isinstance(d, KL)  # kind `kl` values are made by KL only
+        return d
+
+    def _emitted_arith(self, loss: _Loss | None) -> list[Arith]:
+        """Arith values that become driver ops: those the step reports and the score a
+        loss reads, in line order."""
+        ir = self.ir
+        wanted = {ir.resolve(v).name for n, v in ir.values.items() if n in ir.outputs}
+        if loss is not None and loss.score_key != "rewards":
+            wanted.add(loss.score_key)
+        return [a for a in ir.assigns.values() if isinstance(a, Arith) and a.result.name in wanted]
+
+    def _needed(self, loss: _Loss | None, arith: list[Arith]) -> set[str]:
+        ir = self.ir
+        need = {c.role for c in ir.calls if c.op != "update"}
+        if ir.call("actor", "get_logprob") is not None:
             need.add("actor_logprob")
         need.discard("actor")
         if loss is not None:
             need.add("reward")
-            if loss.get("values") is not None or loss.get("implicit_values"):
+            if loss.values is not None or loss.implicit_values:
                 need.add("critic")
-            for key in ("penalty", "loss_kl"):
-                if key in loss:
-                    need |= {"reference", "actor_logprob"}
-        for sym in c.env.values():
-            if "expr" in sym.info and (sym.name in c.outputs or sym.info.get("feeds_loss")):
-                for a in sym.info["args"]:
-                    k = _unalias(a).kind
-                    if k == "ref_logprob":
-                        need.add("reference")
-                    if k == "actor_logprob":
-                        need.add("actor_logprob")
+            if loss.penalty is not None or loss.loss_kl is not None:
+                need |= {"reference", "actor_logprob"}
+        for a in arith:
+            for v in a.args:
+                k = ir.resolve(v).kind
+                if k == "ref_logprob":
+                    need.add("reference")
+                if k == "actor_logprob":
+                    need.add("actor_logprob")
         return need
 
-    def _kl_kind(self, kl: Sym) -> str:
-        return str(kl.info.get("estimator", "k1"))
-
-    def _training_ops(self, loss: dict[str, Any], group: bool) -> list[OpConfig]:
-        c = self.c
-        has_ref = "reference" in c.roles and (
-            ("reference", "get_logprob") in c.calls or "penalty" in loss or "loss_kl" in loss
+    def _training_ops(self, loss: _Loss, group: bool) -> list[OpConfig]:
+        ir = self.ir
+        for key, value in loss.actor_options.items():
+            self.opt("actor", **{key: value})
+        for key, value in loss.critic_options.items():
+            self.opt("critic", **{key: value})
+        has_ref = "reference" in ir.roles and (
+            ir.call("reference", "get_logprob") is not None
+            or loss.penalty is not None
+            or loss.loss_kl is not None
         )
-        critic = loss["critic_update"]
-        params = dict(loss["adv_params"])
-        score_key = loss.get("score_key", "rewards")
-        inputs = [score_key, "response_mask"]
+        critic = loss.critic_update
+        params: dict[str, Scalar] = dict(loss.adv_params)
+        inputs = [loss.score_key, "response_mask"]
         if group:
             inputs.append("group_index")
         inputs.append("prompt_mask")
         if critic:
             inputs.append("values")
-        if "penalty" in loss:
-            pen = loss["penalty"]
+        if loss.penalty is not None:
+            pen = loss.penalty
             inputs += [self.old_key, "ref_logprobs"]
-            params["kl_penalty"] = self._kl_kind(pen["kl"])
-            params["kl_coef"] = pen["kl_coef"]
-            if pen["kl_target"] is not None:
-                params["kl_target"] = pen["kl_target"]
+            params["kl_penalty"] = pen.kl.estimator
+            params["kl_coef"] = pen.kl_coef
+            if pen.kl_target is not None:
+                params["kl_target"] = pen.kl_target
                 params["kl_horizon"] = PPO_KL["kl_horizon"]
             if self.old_key != "rollout_logprobs":
                 params["old_logprob_key"] = self.old_key
-        if score_key != "rewards":
-            params["score"] = score_key
+        if loss.score_key != "rewards":
+            params["score"] = loss.score_key
         outs = ("advantages", "returns") if critic else ("advantages",)
         ops = [
             OpConfig(
                 DRIVER_ROLE,
-                "advantages" if score_key == "rewards" else SCORE_ADV_OP,
+                "advantages" if loss.score_key == "rewards" else SCORE_ADV_OP,
                 tuple(inputs),
                 outs,
                 phase="adv",
@@ -303,9 +399,9 @@ class _Lowering:
         actor_in = [*SEQ, "advantages", self.old_key] + (["ref_logprobs"] if has_ref else [])
         ops.append(OpConfig("actor", "update", tuple(actor_in), phase="train"))
         self.opt("actor", old_logprob_key=self.old_key)
-        if "loss_kl" in loss:
-            lk = loss["loss_kl"]
-            self.opt("actor", kl_loss_coef=lk["coef"], kl_loss_type=self._kl_kind(lk["kl"]))
+        if loss.loss_kl is not None:
+            lk = loss.loss_kl
+            self.opt("actor", kl_loss_coef=lk.coef, kl_loss_type=lk.kl.estimator)
         else:
             self.opt("actor", kl_loss_coef=0.0)
         if critic:
@@ -316,75 +412,67 @@ class _Lowering:
         ops.append(OpConfig("actor", "reshard", scope="step", phase="reshard"))
         return ops
 
-    def _arith_op(self, sym: Sym) -> OpConfig:
-        runtime = {
-            n: _runtime_name(self.c.env[n], self.old_key)
-            for n in expr_ops.names_in(sym.info["expr"])
-        }
-        for name in (sym.name,):
-            taken = (
-                {f for k in KINDS.values() for f in k.fields}
-                | set(SEQ)
-                | {"rollout_logprobs", "returns", "group_index", "metadata_json"}
+    def _arith_op(self, arith: Arith) -> OpConfig:
+        name = arith.result.name
+        taken = (
+            {f for k in KINDS.values() for f in k.fields}
+            | set(SEQ)
+            | {"rollout_logprobs", "returns", "group_index", "metadata_json"}
+        )
+        if name in taken:
+            raise self.ir.error(
+                arith.line, f"{name!r} is a name the runtime uses; pick another value name"
             )
-            if name in taken:
-                raise self.c.err(
-                    sym.line, f"{name!r} is a name the runtime uses; pick another value name"
-                )
-        node = _Rename(runtime).visit(ast.parse(ast.unparse(sym.info["expr"]), mode="eval").body)
+        runtime = {v.name: self._runtime_name(v) for v in arith.args}
+        node = _Rename(runtime).visit(ast.parse(arith.expr, mode="eval").body)
         inputs = list(dict.fromkeys(runtime.values()))
-        if sym.info.get("per_token"):
+        if arith.per_token:
             inputs.append("response_mask")
         return OpConfig(
             DRIVER_ROLE,
             ARITH_OP,
             tuple(inputs),
-            (sym.name,),
+            (name,),
             phase="expr",
-            params={"expr": ast.unparse(node), "output": sym.name},
+            params={"expr": ast.unparse(node), "output": name},
         )
 
     def _outputs(self) -> tuple[dict[str, str], tuple[str, ...]]:
-        c = self.c
+        ir = self.ir
+        values = ir.values
         metrics: dict[str, str] = {}
         collect: list[str] = []
-        for name in c.outputs:
-            sym = c.env.get(name)
-            if sym is None:  # a runtime name (`rewards`): report the value that carries it
-                sym = next(s for s in c.env.values() if name in KINDS[s.kind].fields)
-            sym = _unalias(sym)
-            metric = KINDS[sym.kind].metric
-            if "expr" in sym.info:
+        for name in ir.outputs:
+            value = values.get(name)
+            if value is None:  # a runtime name (`rewards`): report the value that carries it
+                value = next(v for v in values.values() if name in KINDS[v.kind].fields)
+            value = ir.resolve(value)
+            metric = KINDS[value.kind].metric
+            if isinstance(ir.definition(value), Arith):
                 metric = ""
             metrics[name] = metric
             if not metric:
-                collect.append(_runtime_name(sym, self.old_key))
+                collect.append(self._runtime_name(value))
         return metrics, tuple(dict.fromkeys(collect))
+
+    def _runtime_name(self, value: Value) -> str:
+        """The runtime tensor a logic value stands for."""
+        value = self.ir.resolve(value)
+        if isinstance(self.ir.definition(value), Arith) or value.kind == "tensor":
+            return value.name
+        if value.kind == "actor_logprob":
+            return self.old_key
+        fields = KINDS[value.kind].fields
+        if not fields:
+            raise CompileError(
+                value.line, f"{value.name} ({value.kind}) is not a tensor the dataflow carries"
+            )
+        return fields[0]
 
 
 class _Rename(ast.NodeTransformer):
-    def __init__(self, names: dict[str, str]) -> None:
+    def __init__(self, names: Mapping[str, str]) -> None:
         self.names = names
 
     def visit_Name(self, node: ast.Name) -> ast.Name:
         return ast.Name(id=self.names.get(node.id, node.id), ctx=node.ctx)
-
-
-def _unalias(sym: Sym) -> Sym:
-    while "alias_of" in sym.info:
-        sym = sym.info["alias_of"]
-    return sym
-
-
-def _runtime_name(sym: Sym, old_key: str) -> str:
-    sym = _unalias(sym)
-    if "expr" in sym.info or sym.kind == "tensor":
-        return sym.name
-    if sym.kind == "actor_logprob":
-        return old_key
-    fields = KINDS[sym.kind].fields
-    if not fields:
-        raise CompileError(
-            sym.line, f"{sym.name} ({sym.kind}) is not a tensor the dataflow carries"
-        )
-    return fields[0]

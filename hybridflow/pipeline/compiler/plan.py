@@ -11,7 +11,7 @@ Dependencies inside one step (what `PlannedOp.deps` means):
     micro-batch values, the whole step for step values; data fields are always there);
   - a step op depends on every op listed before it (the step barrier), except that a
     `reshard` streaming weights to another stage and that stage's `load_weights` do not
-    wait for each other: they run together (pipeline/weight_sync.py).
+    wait for each other: they run together (pipeline/host/weight_sync.py).
 `head` ops consume only data fields: they start a step's micro-batches (rollout), and
 only they may run ahead of the previous step's reshard (`max_offpolicy_steps`).
 """
@@ -155,6 +155,7 @@ def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:
 def _check_backends(topo: Topology) -> None:
     from hybridflow.stages import BACKENDS  # imports only the registry, not the backends
 
+    classes: dict[str, type] = {}  # role -> backend class
     for stage, cfg in topo.stages.items():
         for role, rc in cfg.roles.items():
             kind = rc.kind or role
@@ -165,17 +166,60 @@ def _check_backends(topo: Topology) -> None:
                     f"stages.{stage}.roles.{role}.backend",
                     f"unknown backend {rc.backend!r} for role kind {kind!r}; known: {', '.join(known)}",
                 )
-            _check_role_options(target, rc.options, f"stages.{stage}.roles.{role}.options")
+            classes[role] = _check_role_options(
+                target, rc.options, f"stages.{stage}.roles.{role}.options"
+            )
+    _check_ops(topo, classes)
+    _check_replicated_training(topo, classes)
 
 
-def _check_role_options(target: str, options: dict[str, Any], path: str) -> None:
+def _check_role_options(target: str, options: dict[str, Any], path: str) -> type:
     """Parse a role's `options:` with its backend's `options_cls` (when it declares one), so
     a typo fails at validate/plan time rather than during stage setup. Imports the backend
-    module only (cheap: models and engines are built in `setup`, in the stage process)."""
+    module only (cheap: models and engines are built in `setup`, in the stage process).
+    Returns the backend class."""
     module, cls_name = target.split(":")
-    options_cls = getattr(getattr(importlib.import_module(module), cls_name), "options_cls", None)
+    cls: type = getattr(importlib.import_module(module), cls_name)
+    options_cls = getattr(cls, "options_cls", None)
     if options_cls is not None:
         from_dict(options_cls, dict(options), path)
+    return cls
+
+
+def _check_ops(topo: Topology, classes: dict[str, type]) -> None:
+    """Every dataflow op against its role's declaration (stages/contract.py): a typo such
+    as `op: generat` fails here, before any process starts, naming `dataflow[i].op`."""
+    from hybridflow.stages.contract import RoleBase, check_dataflow_op
+
+    for i, cfg in enumerate(topo.dataflow):
+        cls = classes.get(cfg.role)
+        if cls is None or not issubclass(cls, RoleBase):
+            continue  # the driver, or a third-party backend without declarations
+        check_dataflow_op(
+            cls,
+            op_name=cfg.op,
+            scope=cfg.scope,
+            inputs=cfg.inputs,
+            outputs=cfg.outputs,
+            path=f"dataflow[{i}]",
+        )
+
+
+def _check_replicated_training(topo: Topology, classes: dict[str, type]) -> None:
+    """Replicas of a trainable role would train apart (no gradient exchange) and silently
+    diverge: refuse them until data-parallel training makes them one group."""
+    for stage, cfg in topo.stages.items():
+        if cfg.replicas <= 1:
+            continue
+        for role in cfg.roles:
+            if getattr(classes.get(role), "trainable", False):
+                raise ConfigError(
+                    f"stages.{stage}.replicas",
+                    f"role {role!r} trains, and {cfg.replicas} replicas of it would train "
+                    "apart (their gradients are never exchanged, so the copies diverge); "
+                    f"give stage {stage!r} one device / replicas: 1, and replicate only "
+                    "roles that do not train (rollout, reference, reward)",
+                )
 
 
 def _check_data(topo: Topology) -> None:

@@ -24,12 +24,12 @@ An op name is a registered name (`advantages`, `identity`, or one added with
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridflow.config.imports import load_attr
 from hybridflow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -60,13 +60,7 @@ def resolve_driver_op(
             f"unknown driver op {op!r}; registered: {', '.join(sorted(DRIVER_OPS))}, "
             "or give 'package.module:function'",
         )
-    module, name = target.split(":", 1)
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(path, f"driver op {op!r}: cannot import {target}: {exc}") from exc
+    obj = load_attr(target, path)
     if isinstance(obj, type):
         if topology is None or index is None:
             raise ConfigError(

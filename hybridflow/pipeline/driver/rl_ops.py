@@ -4,7 +4,8 @@
         -> advantages [B, R]          (and returns [B, R] where the estimator defines them)
 
 Params (the op's `params:` block, checked when the run is planned):
-  estimator        grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae   (grpo)
+  estimator        a key of hybridflow.algos.ADVANTAGE_ESTIMATORS: grpo | rloo |
+                   reinforce_pp | reinforce_pp_baseline | gae                 (grpo)
   norm_std, eps    GRPO: divide by the group std (false = Dr. GRPO)            (true, 1e-6)
   gamma, lam       discount and GAE lambda                                    (1.0, 1.0)
   whiten           GAE: whiten advantages over the micro-batch's tokens        (true)
@@ -15,8 +16,9 @@ Params (the op's `params:` block, checked when the run is planned):
                    toward this mean per-token KL, over `kl_horizon` samples      (null, 10000)
   old_logprob_key  the input holding the behaviour policy's log-probs         (rollout_logprobs)
 
-Inputs by estimator: group estimators read `group_index` [B]; gae reads `values`
-[B, R]; kl_penalty reads `ref_logprobs` [B, R] and `<old_logprob_key>` [B, R].
+Inputs by estimator (its EstimatorSpec): `needs_groups` ones read `group_index` [B];
+`needs_values` ones (gae) read `values` [B, R]; `returns` ones may output `returns`;
+kl_penalty reads `ref_logprobs` [B, R] and `<old_logprob_key>` [B, R].
 
 Group estimators need every sample of a prompt in the same micro-batch: with the
 `prompts` data source that is `run.micro_batch % data.options.samples_per_prompt == 0`,
@@ -57,12 +59,7 @@ from hybridflow.config.schema import Topology
 from hybridflow.errors import ConfigError, PipelineError
 
 Batch = dict[str, torch.Tensor]
-GROUP_SOURCE = "prompts"
-_WITH_RETURNS = (
-    "gae",
-    "reinforce_pp",
-    "reinforce_pp_baseline",
-)  # estimators with returns  # the data source that lays steps out in groups (rl_data.py)
+GROUP_SOURCE = "prompts"  # the data source that lays steps out in groups (sources/rl.py)
 
 
 @dataclass
@@ -115,13 +112,9 @@ class Advantages:
             _check_groups(topology, self.p.estimator)
         self.k = topology.run.max_offpolicy_steps
         self.n_mb = topology.run.micro_batches
-        self.options = {
-            "gae": {"gamma": self.p.gamma, "lam": self.p.lam, "whiten": self.p.whiten},
-            "grpo": {"norm_std": self.p.norm_std, "eps": self.p.eps},
-            "reinforce_pp": {"gamma": self.p.gamma},
-            "reinforce_pp_baseline": {"gamma": self.p.gamma},
-            "rloo": {},
-        }[self.p.estimator]
+        # The estimator's own options, read from the params (every option of every
+        # estimator is an AdvantageParams field; see test_estimator_table).
+        self.options = {key: getattr(self.p, key) for key in self.spec.options}
         self.kl = (
             _KLCoefficient(self.p, self.k, self.n_mb) if self.p.kl_penalty is not None else None
         )
@@ -143,7 +136,7 @@ class Advantages:
         need = ["rewards", "response_mask"]
         if self.spec.needs_groups:
             need.append("group_index")
-        if self.spec.needs_critic:
+        if self.spec.needs_values:
             need.append("values")
         if self.p.kl_penalty is not None:
             need += ["ref_logprobs", self.p.old_logprob_key]
@@ -155,7 +148,7 @@ class Advantages:
                 + (f" with kl_penalty {self.p.kl_penalty!r}" if self.p.kl_penalty else "")
                 + f" needs inputs {need}; missing {missing}",
             )
-        can = {"advantages"} | ({"returns"} if self.p.estimator in _WITH_RETURNS else set())
+        can = {"advantages"} | ({"returns"} if self.spec.returns else set())
         extra = [n for n in outputs if n not in can]
         if extra:
             raise ConfigError(

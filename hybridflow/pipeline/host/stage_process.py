@@ -5,13 +5,17 @@ Life cycle (`StageState`):
               config hash, schema version) -> Welcome within liveness.startup_timeout_s
   SETUP       roles built (`create_role`) and `Role.setup(StageContext)` run in the worker
               thread while heartbeats go on (model loading may take minutes)
-  READY       tasks are run one at a time, in arrival order, in the worker thread
+  READY       tasks are dispatched in arrival order by the op declarations of the roles
+              (stages/contract.py); the heartbeat reports BUSY while any task runs
   STOPPING    Shutdown received (or the parent died): roles closed, sockets closed, exit
 
-Concurrency: the asyncio loop owns the socket (receive, heartbeat, send); all role code
-runs in ONE worker thread, so heartbeats keep flowing while a role computes and roles need
-no locks. A task that raises becomes a `Failure` message carrying the traceback text; the
-process keeps serving until the coordinator says Shutdown.
+Concurrency: the asyncio loop owns the socket (receive, heartbeat, send). Role code of
+plain ops runs in ONE worker thread (one at a time, in order: roles need no locks), so
+heartbeats keep flowing while a role computes; ops declared `concurrent` are coroutines
+awaited on the loop, several at once (a rollout engine batching micro-batches, a reward
+service awaiting HTTP). A step op or a control op (checkpoint, weight sync) is a barrier
+for the process. A task that raises becomes a `Failure` message carrying the traceback
+text; the process keeps serving until the coordinator says Shutdown.
 
 What a role gets in `StageContext.world`: `role` (its name), `kind`, `rank` (= replica)
 and `world_size` (= replicas of this stage), `init_method` (a tcp:// rendezvous for the
@@ -23,11 +27,11 @@ in-process hand-off); they are all constructed before any `setup`, in config ord
 
 Seeds: before any role exists, the process's global RNGs (torch, Python, NumPy) are
 seeded from (run seed, stage, replica), so code that draws from them is reproducible.
-Checkpoints (pipeline/checkpoint.py): the control op `checkpoint_save` is answered by
+Checkpoints (pipeline/checkpoint/store.py): the control op `checkpoint_save` is answered by
 the process itself (every role's state_dict + RNG written to the given directory); a
 payload with `resume_dir` restores roles and RNG right after setup. Log lines carry
 stage/replica and the step of the task being run.
-Disaggregated reshard (pipeline/weight_sync.py): when the topology links an actor's
+Disaggregated reshard (pipeline/host/weight_sync.py): when the topology links an actor's
 `reshard` to a `load_weights` in another stage, the process answers those two ops itself:
 weights stream stage to stage over the endpoint in the payload's `weight_sync`.
 
@@ -42,7 +46,6 @@ Exit codes: 0 after Shutdown, 3 handshake rejected, 4 coordinator unreachable/go
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import os
 import time
@@ -61,6 +64,7 @@ from hybridflow.pipeline.compiler.plan import role_ops
 from hybridflow.pipeline.host.weight_sync import StageWeightSync
 from hybridflow.stages import StageContext, create_role
 from hybridflow.stages.base import Role
+from hybridflow.stages.contract import OpSpec, Scope
 from hybridflow.transport.channel import Channel, Received
 from hybridflow.transport.liveness import Heartbeater
 from hybridflow.transport.protocol import (
@@ -69,6 +73,7 @@ from hybridflow.transport.protocol import (
     Msg,
     Result,
     Shutdown,
+    StageState,
     Task,
     Welcome,
 )
@@ -82,14 +87,6 @@ _current_step = "-"  # step of the task in the worker thread (shown in log lines
 def _add_step(record: logging.LogRecord) -> bool:
     record.step = _current_step
     return True
-
-
-class StageState(enum.Enum):
-    CONNECTING = "connecting"
-    SETUP = "setup"
-    READY = "ready"
-    FAILED = "failed"  # setup raised; waiting for Shutdown
-    STOPPING = "stopping"
 
 
 def main(payload: dict[str, Any]) -> int:
@@ -135,7 +132,8 @@ class StageProcess:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{stage}-{replica}-worker")
         self._queue: asyncio.Queue[Received] = asyncio.Queue()
         self._stop = asyncio.Event()
-        self._busy = False
+        self._busy = False  # the worker thread is running something
+        self._running = 0  # tasks started and not yet answered
 
     # ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -303,21 +301,73 @@ class StageProcess:
             self._stop.set()
 
     async def _work_loop(self) -> None:
+        """Start tasks in arrival order under the contract's rules (stages/contract.py):
+        concurrent ops run as coroutines side by side; other ops queue for the one worker
+        thread (FIFO, so in order); a micro-batch op waits for its role's in-flight
+        concurrent ops; a step op or a control op waits for everything before it, and
+        nothing after it starts until it ends."""
+        inflight: dict[asyncio.Task[None], tuple[str, bool]] = {}  # task -> (role, concurrent)
         try:
             while True:
                 rx = await self._queue.get()
-                await self._run_task(rx.msg, rx.tensors)  # type: ignore[arg-type]
-        except HybridflowError as exc:  # cannot even report: the coordinator is gone
-            log.error("cannot send to the coordinator, stopping: %s", exc)
-            self._stop.set()
+                task: Task = rx.msg  # type: ignore[assignment]
+                spec, barrier = self._classify(task)
+                if barrier:
+                    await self._drain(inflight)
+                    await self._run_task(task, rx.tensors, spec)
+                    continue
+                concurrent = spec is not None and spec.concurrent
+                if not concurrent:
+                    await self._drain(inflight, role=task.role, concurrent_only=True)
+                run = asyncio.create_task(
+                    self._run_task(task, rx.tensors, spec),
+                    name=f"stage.task.{task.role}.{task.op}.{task.step}.{task.mb_id}",
+                )
+                inflight[run] = (task.role, concurrent)
+                run.add_done_callback(lambda t: inflight.pop(t, None))
+        finally:
+            for run in list(inflight):
+                run.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
 
-    async def _run_task(self, task: Task, batch: dict[str, torch.Tensor]) -> None:
+    @staticmethod
+    async def _drain(
+        inflight: dict[asyncio.Task[None], tuple[str, bool]],
+        role: str | None = None,
+        concurrent_only: bool = False,
+    ) -> None:
+        waiting = [
+            t
+            for t, (r, conc) in inflight.items()
+            if (role is None or r == role) and (conc or not concurrent_only)
+        ]
+        if waiting:
+            await asyncio.gather(*waiting)  # _run_task reports its own errors
+
+    def _classify(self, task: Task) -> tuple[OpSpec | None, bool]:
+        """-> (the op's declaration, None for control ops; whether it is a barrier)."""
+        if task.op == checkpoint.SAVE_OP:
+            return None, True
+        if self.weight_sync is not None and self.weight_sync.handles(task):
+            return None, True
+        role = self.roles.get(task.role)
+        if role is None:
+            return None, False  # _run_task reports the unknown role
+        spec = type(role).find_op(task.op)
+        if spec is None:
+            return None, False  # _run_task reports the unknown op
+        return spec, spec.scope is Scope.STEP
+
+    async def _run_task(
+        self, task: Task, batch: dict[str, torch.Tensor], spec: OpSpec | None
+    ) -> None:
         role = self.roles.get(task.role)
         params = dict(task.params)
         params.update(step=task.step, mb_id=task.mb_id, policy_version=task.policy_version)
         t0 = time.perf_counter()
         global _current_step
         _current_step = str(task.step)
+        self._running += 1
         try:
             if task.op == checkpoint.SAVE_OP:  # a control op of the process, not a role's
                 outputs, metrics = (
@@ -341,7 +391,12 @@ class StageProcess:
                     await self.weight_sync.run(task, self.roles, params, self._in_worker),
                 )
             else:
-                outputs, metrics = await self._in_worker(role.handle, task.op, batch, params)
+                spec = spec or type(role).op_spec(task.op)  # raises UnknownOpError
+                method = role.bound_op(spec)
+                if spec.concurrent:
+                    outputs, metrics = await method(batch, params)
+                else:
+                    outputs, metrics = await self._in_worker(method, batch, params)
             result = Result(
                 run_id=task.run_id,
                 task_id=task.task_id,
@@ -355,12 +410,18 @@ class StageProcess:
             )
             await self._send(result, outputs)
         except Exception as exc:
-            log.error(
-                "%s.%s step %d mb %d failed: %r", task.role, task.op, task.step, task.mb_id, exc
-            )
-            await self._send(
-                self._failure(task.task_id, task.step, task.mb_id, task.role, task.op, exc)
-            )
+            await self._report(task, exc)
+        finally:
+            self._running -= 1
+
+    async def _report(self, task: Task, exc: BaseException) -> None:
+        log.error("%s.%s step %d mb %d failed: %r", task.role, task.op, task.step, task.mb_id, exc)
+        failure = self._failure(task.task_id, task.step, task.mb_id, task.role, task.op, exc)
+        try:
+            await self._send(failure)
+        except HybridflowError as send_exc:  # cannot even report: the coordinator is gone
+            log.error("cannot send to the coordinator, stopping: %s", send_exc)
+            self._stop.set()
 
     async def _in_worker(self, fn: Any, *args: Any) -> Any:
         self._busy = True
@@ -370,8 +431,10 @@ class StageProcess:
             self._busy = False
 
     # ------------------------------------------------------------------------------
-    def _state_name(self) -> str:
-        return "busy" if self._busy and self.state is StageState.READY else self.state.value
+    def _state_name(self) -> StageState:
+        if self.state is StageState.READY and (self._busy or self._running):
+            return StageState.BUSY
+        return self.state
 
     async def _watch_parent(self) -> None:
         # PR_SET_PDEATHSIG already kills us with the parent on Linux; this covers the rest.

@@ -45,6 +45,7 @@ from hybridflow.errors import BatchError, ConfigError, RewardFunctionError
 from hybridflow.models.loader import load_tokenizer
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import options_path
+from hybridflow.stages.contract import RoleBase, op
 
 RewardFn = Callable[..., Any]
 _TEXT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "metadata_json")
@@ -86,10 +87,10 @@ def import_function(target: str, path: str = "function") -> RewardFn:
     return obj
 
 
-class FunctionReward:
+class FunctionReward(RoleBase):
     """Registered as ("reward", "function")."""
 
-    options_cls = FunctionRewardOptions  # checked at plan time too (pipeline/topology.py)
+    options_cls = FunctionRewardOptions  # checked at plan time too (pipeline/compiler/plan.py)
 
     def __init__(self) -> None:
         self.fn: RewardFn | None = None
@@ -102,11 +103,9 @@ class FunctionReward:
         self.fn = import_function(opts.function, f"{path}.function")
         self.tokenizer = load_tokenizer(opts.tokenizer, opts.model, f"{path}.tokenizer")
 
-    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        if self.fn is None:
-            raise RuntimeError("FunctionReward.handle before setup (or after close)")
-        if op != "score":
-            raise BatchError(f"reward function: unknown op {op!r}; known: score")
+    @op(name="score", inputs=("prompt_ids", "response_ids"), outputs=("rewards",))
+    def _op_score(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """One reward per row from the user's function."""
         args = self._arguments(batch)
         t0 = time.perf_counter()
         rewards = self.score(*args)

@@ -22,16 +22,18 @@ from typing import Any
 import torch
 
 from hybridflow.config.loader import from_dict
-from hybridflow.errors import BatchError, ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.loader import ModelOptions
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
+    SEQUENCE_FIELDS,
     build_model,
     check_sequences,
     chunked_no_grad,
     options_path,
     sequence_inputs,
 )
+from hybridflow.stages.contract import RoleBase, op
 
 
 @dataclass
@@ -39,10 +41,10 @@ class ModelRewardOptions(ModelOptions):
     forward_batch_size: int = 0  # rows per forward (0: the whole micro-batch)
 
 
-class ModelReward:
+class ModelReward(RoleBase):
     """Registered as ("reward", "model")."""
 
-    options_cls = ModelRewardOptions  # checked at plan time too (pipeline/topology.py)
+    options_cls = ModelRewardOptions  # checked at plan time too (pipeline/compiler/plan.py)
 
     def __init__(self) -> None:
         self.opts: ModelRewardOptions | None = None
@@ -60,11 +62,10 @@ class ModelReward:
                 "model with a `score` head",
             )
 
-    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        if self.model is None or self.opts is None:
-            raise RuntimeError("ModelReward.handle before setup (or after close)")
-        if op != "score":
-            raise BatchError(f"reward model: unknown op {op!r}; known: score")
+    @op(inputs=SEQUENCE_FIELDS, outputs=("rewards",))
+    def score(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """One score per row from the reward model's head at the last real token."""
+        assert self.opts is not None
         check_sequences(batch, "reward model score", self.model.config.vocab_size)
         rewards = chunked_no_grad(self._score, batch, self.opts.forward_batch_size)
         return {"rewards": rewards}, {}

@@ -48,6 +48,7 @@ from hybridflow.reward.client import ClientConfig, RewardClient, ScoreResult, ma
 from hybridflow.reward.schema import Item
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import options_path
+from hybridflow.stages.contract import RoleBase, op
 
 _NOT_METADATA = (
     "prompt_ids",
@@ -72,7 +73,7 @@ class ZmqOptions(ClientConfig):
     tokenizer: str | None = None
 
 
-class _ServiceReward:
+class _ServiceReward(RoleBase):
     """Shared body of HttpReward / ZmqReward; subclasses pick protocol and options."""
 
     protocol: ClassVar[Literal["http", "zmq"]]
@@ -95,11 +96,10 @@ class _ServiceReward:
         self._loop = _LoopThread(f"reward-{self.protocol}-loop")
         ctx.log.info("reward service %s (%s)", address, self.protocol)
 
-    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        if op != "score":
-            raise BatchError(f"{self.protocol} reward backend: unknown op {op!r}; known: score")
-        if self._loop is None or self._client is None:
-            raise RuntimeError("handle() before setup()")
+    @op(inputs=("prompt_ids", "response_ids"), outputs=("rewards",))
+    def score(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """One reward per row from the external service (retried, then reported)."""
+        assert self._loop is not None and self._client is not None
         step, mb_id = int(params.get("step", 0)), int(params.get("mb_id", 0))
         items = batch_to_items(batch, step=step, mb_id=mb_id, tokenizer=self._tokenizer)
         result = self._loop.run(self._client.score(items, step=step, mb_id=mb_id))

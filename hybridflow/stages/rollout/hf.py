@@ -57,15 +57,21 @@ from hybridflow.stages.common import (
     require,
     row_chunks,
 )
-from hybridflow.stages.rollout.state import HFRolloutOptions, RolloutState
+from hybridflow.stages.contract import RoleBase, Scope, op
+from hybridflow.stages.rollout.state import (
+    GENERATE_INPUTS,
+    GENERATE_OUTPUTS,
+    HFRolloutOptions,
+    RolloutState,
+)
 
 
-class HFRollout(RolloutState):
+class HFRollout(RolloutState, RoleBase):
     """Registered as ("rollout", "hf")."""
 
     backend_name = "hf"
 
-    options_cls = HFRolloutOptions  # checked at plan time too (pipeline/topology.py)
+    options_cls = HFRolloutOptions  # checked at plan time too (pipeline/compiler/plan.py)
 
     def __init__(self) -> None:
         self.opts: HFRolloutOptions | None = None
@@ -117,23 +123,25 @@ class HFRollout(RolloutState):
         self._params = {}
 
     # -- ops -----------------------------------------------------------------------------
-    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        if self.model is None:
-            raise RuntimeError("HFRollout.handle before setup (or after close)")
-        if op == "generate":
-            return self.generate(batch, params)
-        if op == "load_weights":
-            return {}, self.load_bucket(
-                batch, last=bool(params.get("last", True)), version=params.get("version")
-            )
-        if op in ("sleep", "wake_up"):
-            # The vllm backend frees/restores its KV cache around training; this one
-            # keeps no cache between calls, so a colocated preset may call these on either.
-            return {}, {f"rollout/{op.replace('wake_up', 'wake')}_skipped": 1.0}
-        raise BatchError(
-            f"hf rollout: unknown op {op!r}; known: generate, load_weights, sleep, wake_up"
+    @op(name="load_weights", scope=Scope.STEP)
+    def _op_load_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """One bucket of a weight update (`last` ends it); the batch is {name: tensor}."""
+        return {}, self.load_bucket(
+            batch, last=bool(params.get("last", True)), version=params.get("version")
         )
 
+    @op(scope=Scope.STEP)
+    def sleep(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """No-op here (this backend keeps no cache between calls): presets written for the
+        vllm backend run unchanged."""
+        return {}, {"rollout/sleep_skipped": 1.0}
+
+    @op(scope=Scope.STEP)
+    def wake_up(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """No-op here, see `sleep`."""
+        return {}, {"rollout/wake_skipped": 1.0}
+
+    @op(inputs=GENERATE_INPUTS, outputs=GENERATE_OUTPUTS)
     def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         opts = self._call_options(params)
         where = "hf rollout generate"

@@ -90,3 +90,15 @@ class RolloutState:
         if self.policy_version is not None:
             metrics["rollout/policy_version"] = float(self.policy_version)
         return metrics
+
+
+# What every rollout backend's `generate` declares (the contract all three speak).
+GENERATE_INPUTS = ("prompt_ids", "prompt_mask")
+GENERATE_OUTPUTS = (
+    "prompt_ids",
+    "prompt_mask",
+    "response_ids",
+    "response_mask",
+    "rollout_logprobs",
+    "group_index",
+)

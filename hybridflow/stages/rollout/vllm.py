@@ -68,8 +68,14 @@ from hybridflow.stages.common import (
     options_path,
     require,
 )
+from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.rollout import vllm_compat
-from hybridflow.stages.rollout.state import HFRolloutOptions, RolloutState
+from hybridflow.stages.rollout.state import (
+    GENERATE_INPUTS,
+    GENERATE_OUTPUTS,
+    HFRolloutOptions,
+    RolloutState,
+)
 
 
 @dataclass
@@ -108,10 +114,10 @@ class VLLMRolloutOptions(HFRolloutOptions):
 _CPU_KV_CACHE_BYTES = 256 << 20
 
 
-class VLLMRollout(RolloutState):
+class VLLMRollout(RolloutState, RoleBase):
     """Rollout role backed by a vLLM engine in this process. Registered as ("rollout", "vllm")."""
 
-    options_cls = VLLMRolloutOptions  # checked at plan time too (pipeline/topology.py)
+    options_cls = VLLMRolloutOptions  # checked at plan time too (pipeline/compiler/plan.py)
     backend_name = "vllm"
 
     def __init__(self) -> None:
@@ -186,23 +192,24 @@ class VLLMRollout(RolloutState):
 
     # ------------------------------------------------------------------ ops
 
-    def handle(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        if self.llm is None:
-            raise RuntimeError("VLLMRollout.handle before setup (or after close)")
-        if op == "generate":
-            return self.generate(batch, params)
-        if op == "load_weights":
-            return {}, self.load_bucket(
-                batch, last=bool(params.get("last", True)), version=params.get("version")
-            )
-        if op == "sleep":
-            return {}, self.sleep()
-        if op == "wake_up":
-            return {}, self.wake_up(params.get("tags"))
-        raise BatchError(
-            f"vllm rollout: unknown op {op!r}; known: generate, load_weights, sleep, wake_up"
+    @op(name="load_weights", scope=Scope.STEP)
+    def _op_load_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """One bucket of a weight update (`last` ends it); the batch is {name: tensor}."""
+        return {}, self.load_bucket(
+            batch, last=bool(params.get("last", True)), version=params.get("version")
         )
 
+    @op(name="sleep", scope=Scope.STEP)
+    def _op_sleep(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Free the KV cache (and offload weights) while the actor trains."""
+        return {}, self.sleep()
+
+    @op(name="wake_up", scope=Scope.STEP)
+    def _op_wake_up(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Restore what `sleep` freed."""
+        return {}, self.wake_up(params.get("tags"))
+
+    @op(inputs=GENERATE_INPUTS, outputs=GENERATE_OUTPUTS)
     def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         where = "vllm rollout generate"
         opts = self._call_options(params)

@@ -1,0 +1,217 @@
+"""`python -m hybridflow.bench.native_engine --json`: decode throughput of the native
+rollout engine (hybridflow/stages/rollout/native) for one model preset.
+
+For each number of concurrent sequences N (--seqs, e.g. 64,128,256,512) and each decode
+mode (CUDA graphs on / off; on CPU only off), the engine generates exactly
+--max-new-tokens tokens for N random prompts of --prompt-len tokens (stop tokens ignored,
+so every configuration does the same work), temperature --temperature, the N rows split
+into requests of --request-rows rows that all enter at once (continuous batching across
+requests). One short untimed run warms up first. Reported per configuration:
+
+  tokens_per_s      generated tokens / wall seconds of the whole run (prefill included)
+  decode_tokens_per_s   N / median decode step time (steady state, no prefill)
+  step_ms           median wall time of one decode step (host sync included)
+  prefill_s         wall time of the first engine step (prefill of all N rows + 1 decode)
+  capture_s         CUDA-graph capture time (graphs mode)
+  peak_mem_gb       torch.cuda.max_memory_allocated during the run (GPU)
+  kv_cache_gb       the KV cache allocated for N slots
+With --frontend async (CUDA graphs only) the same run also goes through `AsyncEngine`:
+every request submitted at once from an event loop, stepped by the engine thread, as the
+role's concurrent `generate` calls run it; `step_ms` there is wall / steps.
+
+Default model: `tiny` on CPU, float32. GPU example (the number the project tracks):
+  python -m hybridflow.bench.native_engine --json --model qwen2-0.5b --vocab-size 192 \\
+      --dtype bfloat16 --seqs 64,128,256,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from hybridflow.models.loader import ModelOptions, load_model, load_tokenizer
+from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
+from hybridflow.stages.rollout.native.frontend import AsyncEngine
+from hybridflow.stages.rollout.native.request import Request, SamplingParams
+
+GIB = float(1 << 30)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="hybridflow.bench.native_engine", description=__doc__)
+    p.add_argument("--json", action="store_true", help="print one JSON object (the default)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--vocab-size", type=int, default=0, help="override the preset's vocab")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (GPU default bfloat16)")
+    p.add_argument("--seqs", default="", help="comma-separated N (default 64,128,256,512)")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--request-rows", type=int, default=64)
+    p.add_argument("--graphs", choices=("both", "on", "off"), default="both")
+    p.add_argument(
+        "--frontend",
+        choices=("sync", "async"),
+        default="async",
+        help="async: also measure through AsyncEngine (graphs mode)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark; `args` may come from `hybridflow bench` (only --json/--quick): the
+    options it lacks take this module's defaults, and --quick shrinks the run."""
+    defaults = vars(parse([]))
+    args = argparse.Namespace(**{**defaults, **vars(args)})
+    if getattr(args, "quick", False):
+        args.seqs, args.max_new_tokens = args.seqs or "8,32", min(args.max_new_tokens, 32)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    seqs = [int(s) for s in args.seqs.split(",") if s] or [64, 128, 256, 512]
+    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+    tokenizer = load_tokenizer("builtin")
+    opts = ModelOptions(
+        model=args.model,
+        tokenizer="builtin",
+        dtype=dtype,  # type: ignore[arg-type]
+        init_device="device",
+        model_overrides=overrides,
+    )
+    t0 = time.perf_counter()
+    model = load_model(opts, tokenizer, device=device, seed=args.seed)
+    model.requires_grad_(False)
+    out: dict[str, Any] = {
+        "bench": "native_engine",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "model": args.model,
+        "vocab_size": model.config.vocab_size,
+        "dtype": dtype,
+        "prompt_len": args.prompt_len,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "build_s": round(time.perf_counter() - t0, 2),
+        "torch": torch.__version__,
+        "results": [],
+    }
+    modes = {"both": [True, False], "on": [True], "off": [False]}[args.graphs]
+    if device.type != "cuda":
+        modes = [False]
+    for graphs in modes:
+        for n in seqs:
+            fronts = ["sync", "async"] if graphs and args.frontend == "async" else ["sync"]
+            for front in fronts:
+                out["results"].append(_measure(model, n, graphs, args, device, front))
+                print(json.dumps(out["results"][-1]), file=sys.stderr, flush=True)
+    return out
+
+
+def _measure(
+    model: Any,
+    n: int,
+    graphs: bool,
+    args: argparse.Namespace,
+    device: torch.device,
+    frontend: str = "sync",
+) -> dict[str, Any]:
+    max_len = args.prompt_len + args.max_new_tokens
+    config = EngineConfig(
+        max_model_len=max_len,
+        kv_cache_gb=64.0 if device.type == "cuda" else 4.0,
+        max_num_seqs=n,
+        cuda_graphs=graphs,
+        graph_batch_sizes=(n,),  # ignore-EOS rows all finish together: one bucket is used
+        max_prefill_tokens=max(8192, n * args.prompt_len),
+    )
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = NativeEngine(model, config)
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = model.config.vocab_size
+
+    def requests(max_new: int) -> list[Request]:
+        prompts = torch.randint(2, vocab, (n, args.prompt_len), generator=gen)
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            max_new_tokens=max_new,
+        )
+        rows = max(1, args.request_rows)
+        return [
+            Request(list(prompts[i : i + rows]), params, seed=args.seed + i)
+            for i in range(0, n, rows)
+        ]
+
+    def drive(reqs: list[Request]) -> tuple[float, list[float], int]:
+        for r in reqs:
+            engine.add_request(r)
+        times: list[float] = []
+        tokens = 0
+        t_start = time.perf_counter()
+        while engine.has_work():
+            t = time.perf_counter()
+            for o in engine.step():
+                tokens += int(o.lengths.sum())
+            times.append(time.perf_counter() - t)
+        return time.perf_counter() - t_start, times, tokens
+
+    if frontend == "async":
+        front = AsyncEngine(engine)
+        try:
+            asyncio.run(_through_frontend(front, requests(8)))  # warm-up
+            steps0 = engine.stats["steps"]
+            wall, tokens = asyncio.run(_through_frontend(front, requests(args.max_new_tokens)))
+            steps = engine.stats["steps"] - steps0
+        finally:
+            front.close()
+        times = [0.0, wall / max(1, steps)]
+    else:
+        drive(requests(8))  # warm-up: allocator, kernels, prefill shapes
+        wall, times, tokens = drive(requests(args.max_new_tokens))
+    step = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    result = {
+        "seqs": n,
+        "frontend": frontend,
+        "cuda_graphs": engine.graphs is not None,
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 1),
+        "decode_tokens_per_s": round(n / step, 1),
+        "step_ms": round(step * 1e3, 3),
+        "prefill_s": round(times[0], 4),
+        "wall_s": round(wall, 3),
+        "capture_s": round(engine.stats["capture_s"], 3),
+        "kv_cache_gb": round(engine.cache.nbytes / GIB, 4),
+    }
+    if device.type == "cuda":
+        result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 3)
+    engine.release()
+    return result
+
+
+async def _through_frontend(front: AsyncEngine, reqs: list[Request]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(front.generate(r) for r in reqs))
+    return time.perf_counter() - t0, sum(int(o.lengths.sum()) for o in outs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    print(json.dumps(run(args), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""`"package.module:attr"` strings -> Python objects: the one loader every registry uses.
+
+Backends, data sources, driver ops, metrics sinks, reward functions and CLI commands are
+named in config as `"package.module:attr"` (the attribute may be dotted: `mod:Class.fn`).
+This module is the only place that turns such a string into an object, so every
+registry reports a bad name the same way: a ConfigError whose path is the dotted config
+key that held the string, saying whether the module or the attribute is missing.
+
+    split_spec("pkg.mod:fn", "stages.r.roles.reward.options.function") -> ("pkg.mod", "fn")
+    load_attr("pkg.mod:fn", "dataflow[3].op")                         -> the object
+
+Invariants: a string is imported with `importlib` and `getattr`, never `eval`'d;
+`split_spec` imports nothing (safe at build time, before any process exists).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from hybridflow.errors import ConfigError
+
+__all__ = ["load_attr", "split_spec"]
+
+
+def split_spec(spec: object, path: str, *, form: str = "package.module:attr") -> tuple[str, str]:
+    """`"package.module:attr[.attr]"` -> (module, attr), checking the syntax only.
+
+    Raises ConfigError at `path` unless `spec` is a string with a non-empty module and
+    attribute on either side of exactly one colon; the message shows `form` (what the
+    key expects, e.g. "package.module:function")."""
+    if isinstance(spec, str):
+        module, sep, attr = spec.partition(":")
+        if sep and module.strip() and attr.strip() and ":" not in attr:
+            return module.strip(), attr.strip()
+    raise ConfigError(path, f"must look like '{form}', got {spec!r}")
+
+
+def load_attr(
+    spec: object, path: str, *, callable_only: bool = False, form: str = "package.module:attr"
+) -> Any:
+    """Import `"package.module:attr[.attr]"` and return the attribute.
+
+    Raises ConfigError at `path` (the dotted key that named it) when the string is
+    malformed, the module cannot be imported, an attribute is missing, or, with
+    `callable_only`, the object is not callable. An ImportError raised *inside* the
+    target module is reported with its own message, so a broken dependency is not
+    mistaken for a typo."""
+    module_name, attr = split_spec(spec, path, form=form)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(path, f"cannot import module {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(
+                path, f"module {module_name!r} has no attribute {attr!r} ({spec!r})"
+            ) from None
+    if callable_only and not callable(obj):
+        raise ConfigError(path, f"{spec!r} is a {type(obj).__name__}, not callable")
+    return obj

@@ -1,0 +1,153 @@
+"""`AsyncEngine`: the native engine behind one dedicated thread, with asyncio futures.
+
+    caller (any thread / event loop)             engine thread "hybridflow-native-engine"
+      submit(req) -> Future ---- inbox ---->     add_request; step() while work remains;
+      await generate(req) <--- set_result ---    a finished request resolves its future
+      call(fn) -> result  ----- inbox ---->      fn(core) between steps, refused while any
+                                                 request is in flight (weights, sleep, wake)
+
+The thread owns the device: every model, cache and graph operation runs on it, in inbox
+order, so callers need no locks. Submissions are only queued (no compute on the caller's
+thread or event loop). A step that raises fails every in-flight request with that error
+and drops them (the engine stays usable); `close()` fails what is still queued.
+
+Invariants: a request's future resolves exactly once; `call` never runs while a request
+is in flight; the thread exits on `close()` (joined, named, never left running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from hybridflow.errors import BatchError
+from hybridflow.stages.rollout.native.engine import NativeEngine
+from hybridflow.stages.rollout.native.request import Request, RequestOutput
+
+T = TypeVar("T")
+log = logging.getLogger("hybridflow.rollout.native")
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed before the request finished."""
+
+
+class AsyncEngine:
+    def __init__(self, core: NativeEngine, name: str = "hybridflow-native-engine") -> None:
+        self.core = core
+        self._cv = threading.Condition()
+        self._inbox: deque[tuple[str, Any, cf.Future[Any]]] = deque()
+        self._futures: dict[int, cf.Future[RequestOutput]] = {}
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- caller side ---------------------------------------------------------------------
+    def submit(self, request: Request) -> cf.Future[RequestOutput]:
+        return self._put("request", request)
+
+    async def generate(self, request: Request) -> RequestOutput:
+        return await asyncio.wrap_future(self.submit(request))
+
+    def call(self, fn: Callable[[NativeEngine], T]) -> T:
+        """Run `fn(core)` on the engine thread between steps; BatchError if requests are
+        in flight (the runtime reshards and sleeps between phases, never during one)."""
+        return self._put("call", fn).result()
+
+    def in_flight(self) -> int:
+        with self._cv:
+            return len(self._futures) + sum(kind == "request" for kind, _, _ in self._inbox)
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("native engine thread did not stop within %.0f s", timeout)
+
+    def _put(self, kind: str, item: Any) -> cf.Future[Any]:
+        fut: cf.Future[Any] = cf.Future()
+        with self._cv:
+            if self._closing:
+                raise EngineClosedError("native engine is closed")
+            self._inbox.append((kind, item, fut))
+            self._cv.notify()
+        return fut
+
+    # -- engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.core.device.type == "cuda":
+            torch.cuda.set_device(self.core.device)
+        while True:
+            with self._cv:
+                while not (self._inbox or self._closing or self.core.has_work()):
+                    self._cv.wait()
+                if self._closing:
+                    break
+                inbox = list(self._inbox)
+                self._inbox.clear()
+            for kind, item, fut in inbox:
+                if kind == "request":
+                    self._add(item, fut)
+                else:
+                    self._call(item, fut)
+            if self.core.has_work():
+                self._step()
+        self._shutdown()
+
+    def _add(self, request: Request, fut: cf.Future[Any]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            rid = self.core.add_request(request)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            return
+        self._futures[rid] = fut
+
+    def _call(self, fn: Callable[[NativeEngine], Any], fut: cf.Future[Any]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            if self.core.in_flight():
+                raise BatchError(
+                    f"native engine: {self.core.in_flight()} request(s) in flight; weight "
+                    "updates, sleep and wake-up run between rollout phases only"
+                )
+            fut.set_result(fn(self.core))
+        except BaseException as exc:
+            fut.set_exception(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except BaseException as exc:
+            log.exception("native engine step failed; failing %d request(s)", len(self._futures))
+            self.core.abort_all()
+            futures, self._futures = self._futures, {}
+            for fut in futures.values():
+                fut.set_exception(exc)
+            return
+        for out in outputs:
+            fut = self._futures.pop(out.request_id)
+            if not fut.cancelled():
+                fut.set_result(out)
+
+    def _shutdown(self) -> None:
+        self.core.abort_all()
+        closed = EngineClosedError("native engine closed before the request finished")
+        with self._cv:
+            pending = [fut for _, _, fut in self._inbox]
+            self._inbox.clear()
+        for fut in [*self._futures.values(), *pending]:
+            if not fut.done():
+                fut.set_exception(closed)
+        self._futures.clear()

@@ -1,0 +1,101 @@
+"""CUDA graphs of the native engine's decode step, one per batch-size bucket.
+
+Consumes two step functions that read and write only static buffers (the slot cache and
+a logits buffer): `forward(b)` (the model, rows 0..b-1 -> logits[:b]) and
+`sample(b, truncate)` (sampler + record for rows 0..b-1). Produces, per bucket b, one
+graph of `forward(b)` and two of `sample(b, .)` (without and with top-k/top-p), all in
+one memory pool (they never run concurrently, so they can share it). A batch of B live
+rows replays the smallest bucket >= B; rows B..bucket-1 are padding that write only into
+their own free slots (SlotCache.record clamps them).
+
+Invariants: capture runs eagerly once per function (warm-up), which WRITES the buffers, so
+it only happens while no row is live (at allocation, after wake-up or after parameters
+were re-aliased); graphs hold raw pointers to the cache and the weights, so freeing the
+cache or replacing a parameter's storage must `clear()` them first.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger("hybridflow.rollout.native")
+
+
+def default_buckets(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 up to 64, then steps of 32, then 64: padding
+    waste stays below ~12% above 64 rows, with a few dozen graphs at most."""
+    sizes = [1, 2, 4, 8, *range(16, 65, 16), *range(96, 257, 32), *range(320, 4097, 64)]
+    out = [s for s in sizes if s < max_rows]
+    return [*out, max_rows]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        buckets: list[int],
+        forward: Callable[[int], None],
+        sample: Callable[[int, bool], None],
+        device: torch.device,
+    ) -> None:
+        self.buckets = sorted(set(buckets))
+        self._forward, self._sample, self.device = forward, sample, device
+        self._fwd: dict[int, torch.cuda.CUDAGraph] = {}
+        self._smp: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._fwd)
+
+    def bucket(self, b: int) -> int:
+        i = bisect.bisect_left(self.buckets, b)
+        if i == len(self.buckets):
+            raise ValueError(f"{b} rows exceed the largest graph bucket {self.buckets[-1]}")
+        return self.buckets[i]
+
+    def capture(self) -> float:
+        """Capture every bucket (largest first, so smaller ones reuse its pool memory).
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.clear()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: cuBLAS handles, kernel choices, allocator
+            for b in self.buckets:
+                self._forward(b)
+                self._sample(b, False)
+                self._sample(b, True)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):
+            self._fwd[b] = self._graph(lambda b=b: self._forward(b), pool)
+            for truncate in (False, True):
+                self._smp[(b, truncate)] = self._graph(
+                    lambda b=b, t=truncate: self._sample(b, t), pool
+                )
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        log.info("captured %d decode graphs in %.2f s", len(self._fwd) * 3, seconds)
+        return seconds
+
+    def _graph(self, fn: Callable[[], None], pool: object) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+        return graph
+
+    def replay(self, b: int, truncate: bool) -> int:
+        """Run one decode step for b live rows; returns the bucket it ran."""
+        size = self.bucket(b)
+        self._fwd[size].replay()
+        self._smp[(size, truncate)].replay()
+        return size
+
+    def clear(self) -> None:
+        self._fwd.clear()
+        self._smp.clear()

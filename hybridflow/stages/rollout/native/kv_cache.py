@@ -1,0 +1,160 @@
+"""The native engine's device memory per sequence slot: the KV cache plus every per-row
+decode buffer (next token, position, sampling parameters, seed, outputs so far).
+
+Slot-based, not paged: a slot holds one sequence's K/V for `max_len` positions
+(max prompt + max new tokens, rounded up to 16). Why: RL rollouts have a known, modest
+bound on sequence length, so the waste of reserving it whole is bounded; in exchange a
+decode step reads the first B slots as one dense [B, Hkv, L, D] view that plain torch SDPA
+takes directly (no block table, no gather, no custom kernel), and the step's shapes
+depend only on B, which is what CUDA graphs need. `max_len` is rounded up to 16 so the
+attention mask's last dimension meets the memory-efficient SDPA kernel's alignment.
+
+Budget: slots = min(max_num_seqs, kv_cache_gb // bytes of one slot); a budget too small
+for one slot is a ConfigError naming the option. `release` frees everything (the hybrid
+engine's sleep); `allocate` makes it again, zeroed.
+
+Invariants: K/V values are always finite (zeros at allocation, real activations after), so
+masked positions contribute exactly 0 to attention; `move` copies every per-slot buffer,
+so a row's state lives entirely in its slot index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.errors import ConfigError
+
+ALIGN = 16
+GIB = float(1 << 30)
+
+
+def round_up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+class SlotCache:
+    def __init__(
+        self,
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        budget_gb: float,
+        max_slots: int,
+        stop_width: int,
+        path: str = "",
+    ) -> None:
+        self.max_len = round_up(max_len)
+        self.shape = (layers, 2, 0, kv_heads, self.max_len, head_dim)
+        self.dtype, self.device, self.stop_width = dtype, device, stop_width
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.slot_bytes = 2 * layers * kv_heads * self.max_len * head_dim * itemsize
+        fit = int(budget_gb * GIB) // self.slot_bytes
+        if fit < 1:
+            key = f"{path}.kv_cache_gb" if path else "kv_cache_gb"
+            raise ConfigError(
+                key,
+                f"{budget_gb} GiB holds no sequence: one slot of {self.max_len} positions "
+                f"(prompt + max_new_tokens) needs {self.slot_bytes / GIB:.3g} GiB; raise "
+                "kv_cache_gb or lower max_prompt_len / max_new_tokens",
+            )
+        self.num_slots = min(max_slots, fit)
+        self.kv: torch.Tensor | None = None
+
+    @property
+    def allocated(self) -> bool:
+        return self.kv is not None
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def allocate(self) -> None:
+        if self.kv is not None:
+            return
+        s, L, dev = self.num_slots, self.max_len, self.device
+        shape = list(self.shape)
+        shape[2] = s
+        self.kv = torch.zeros(shape, dtype=self.dtype, device=dev)  # [layers,2,S,Hkv,L,D]
+        i64 = dict(dtype=torch.int64, device=dev)
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.rows = torch.arange(s, **i64)  # [S] static arange for index writes
+        self.tokens = torch.zeros(s, **i64)  # [S] the token each row feeds next
+        self.positions = torch.zeros(s, **i64)  # [S] ... and its position
+        self.gen_len = torch.zeros(s, **i64)  # [S] tokens generated so far
+        self.max_new = torch.ones(s, **i64)  # [S]
+        self.temperature = torch.ones(s, **f32)  # [S] 0 = greedy
+        self.top_k = torch.zeros(s, **i64)  # [S] 0 = off
+        self.top_p = torch.ones(s, **f32)  # [S] 1 = off
+        self.seed_lo = torch.zeros(s, **i64)  # [S] uint32 halves of the request seed
+        self.seed_hi = torch.zeros(s, **i64)  # [S]
+        self.row = torch.zeros(s, **i64)  # [S] row index within its request
+        self.stop = torch.full((s, self.stop_width), -1, **i64)  # [S, W] stop ids, -1 pad
+        self.done = torch.zeros(s, dtype=torch.bool, device=dev)  # [S]
+        self.out_tok = torch.zeros(s, L, **i64)  # [S, L] generated tokens
+        self.out_lp = torch.zeros(s, L, **f32)  # [S, L] their sampling log-probs
+
+    def release(self) -> None:
+        self.kv = None
+        for name in self._per_slot:
+            setattr(self, name, None)
+
+    _per_slot = (  # every per-slot buffer but the KV cache; "rows" is a constant
+        "rows",
+        "tokens",
+        "positions",
+        "gen_len",
+        "max_new",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed_lo",
+        "seed_hi",
+        "row",
+        "stop",
+        "done",
+        "out_tok",
+        "out_lp",
+    )
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Copy the rows in slots `src` into slots `dst` (disjoint sets)."""
+        assert self.kv is not None
+        s = torch.tensor(src, dtype=torch.int64, device=self.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        self.kv[:, :, d] = self.kv[:, :, s]
+        for name in self._per_slot[1:]:
+            t = getattr(self, name)
+            t[d] = t[s]
+
+    def init_rows(
+        self,
+        slots: torch.Tensor,  # [R] int64 (device)
+        last_pos: torch.Tensor,  # [R] prompt length - 1: `record` steps past the prompt
+        params: dict[str, torch.Tensor],  # per-slot buffer name -> [R] (or [R, W]) values
+    ) -> None:
+        self.positions[slots] = last_pos
+        self.gen_len[slots] = 0
+        self.done[slots] = False
+        for name, value in params.items():
+            getattr(self, name)[slots] = value.to(self.device)
+
+    def record(self, rows: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> None:
+        """Append sampled token `tok` [R] (log-prob `lp` [R]) to `rows` [R], advance them,
+        and flag the rows that just finished (stop token or max_new reached).
+
+        Clamps keep the writes of padding rows (slots past the live batch in a CUDA-graph
+        bucket) inside their own free slot's buffers."""
+        g = self.gen_len[rows]
+        at = g.clamp(max=self.max_len - 1)
+        self.out_tok[rows, at] = tok
+        self.out_lp[rows, at] = lp
+        g = g + 1
+        self.gen_len[rows] = g
+        self.positions[rows] = (self.positions[rows] + 1).clamp(max=self.max_len - 1)
+        self.tokens[rows] = tok
+        hit = (self.stop[rows] == tok[:, None]).any(-1)
+        self.done[rows] = hit | (g >= self.max_new[rows])

@@ -1,0 +1,167 @@
+"""Forward passes of a transformers Qwen2 / Llama causal LM over the native engine's slot
+KV cache, built from the model's OWN modules: embedding, RMSNorms, q/k/v/o projections
+(with Qwen2's qkv bias), MLP, final norm, lm_head and the rotary embedding. Nothing is
+translated or copied, so a weight written into the HF model (or aliased from the actor) is
+what the next step computes with; only attention-with-cache is written here.
+
+Consumes: token ids and positions; the KV cache `kv  # [layers, 2, slots, kv_heads, L, D]`.
+Produces: next-token logits, float32, one row per sequence, and writes each token's K/V
+into its slot at its position.
+
+  prefill  tokens [U, P] right-padded, lengths [U]; rows [R] read prompt group[r] and own
+           slot slots[r] (n samples of one prompt share its prefill)      -> logits [U, V]
+  decode   tokens [B], positions [B]; row b owns slot b (the scheduler keeps rows dense)
+                                                                          -> logits [B, V]
+
+Invariants: positions start at 0 at a prompt's first real token (as `cumsum(mask) - 1` in
+the other backends); a slot's cache is valid at positions < the row's current position,
+and anything beyond (prefill padding, stale rows) is masked before it is read and
+overwritten before it is unmasked. Only full-attention Qwen2/Llama layers are accepted.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.errors import ConfigError
+
+SUPPORTED_ARCHS = ("qwen2", "llama")
+
+
+def check_supported(model: Any, path: str) -> None:
+    """ConfigError naming `{path}.model` unless `model` is a Qwen2/Llama causal LM whose
+    layers this engine computes exactly."""
+    cfg = getattr(model, "config", None)
+    arch = getattr(cfg, "model_type", None)
+    where = f"{path}.model" if path else "model"
+    if arch not in SUPPORTED_ARCHS:
+        raise ConfigError(
+            where,
+            f"the native rollout engine runs {' and '.join(SUPPORTED_ARCHS)} causal LMs; "
+            f"this model is {arch!r} ({type(model).__name__}); use the hf backend for it",
+        )
+    body = getattr(model, "model", None)
+    if not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise ConfigError(where, f"{type(model).__name__} lacks the {arch} module layout")
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(cfg, "use_sliding_window", False):
+        raise ConfigError(
+            where, f"sliding-window attention layers are not supported (layer types {kinds})"
+        )
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's `apply_rotary_pos_emb` for one tensor (same ops, same order)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+class NativeModel:
+    def __init__(self, hf_model: Any, max_len: int, *, autocast_bf16: bool = False, path: str = ""):
+        check_supported(hf_model, path)
+        cfg = hf_model.config
+        body = hf_model.model
+        self.hf = hf_model
+        self.embed = body.embed_tokens
+        self.layers = list(body.layers)
+        self.norm = body.norm
+        self.lm_head = hf_model.lm_head
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = self.layers[0].self_attn.head_dim
+        self.groups = self.num_heads // self.num_kv_heads
+        self.vocab = self.lm_head.out_features
+        self.max_len = max_len
+        self.device = self.embed.weight.device
+        self.autocast = autocast_bf16
+        # K/V are stored in the dtype attention runs in (bf16 under autocast).
+        self.dtype = torch.bfloat16 if autocast_bf16 else self.embed.weight.dtype
+        self.cols = torch.arange(max_len, device=self.device)  # [L] positions / row ids
+        # cos/sin of every position, from the model's own rotary module (its inv_freq and
+        # scaling, whatever the RoPE type); HF casts them to the hidden dtype the same way.
+        with torch.no_grad():
+            probe = torch.zeros(1, device=self.device, dtype=self.embed.weight.dtype)
+            cos, sin = body.rotary_emb(probe, self.cols[None, :])
+        self.cos, self.sin = cos[0], sin[0]  # [L, D]
+
+    def _ctx(self) -> Any:
+        if self.autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def prefill(
+        self,
+        tokens: torch.Tensor,  # [U, P] int64, right-padded
+        lengths: torch.Tensor,  # [U] int64, >= 1
+        slots: torch.Tensor,  # [R] int64, the cache slot of each row
+        group: torch.Tensor,  # [R] int64, the prompt (0..U-1) of each row
+        kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D]
+    ) -> torch.Tensor:
+        """Run whole prompts, fill every row's slot at positions 0..P-1 -> logits [U, V]."""
+        u, p = tokens.shape
+        pos = self.cols[:p]
+        cos, sin = self.cos[:p][None, :, None, :], self.sin[:p][None, :, None, :]  # [1,P,1,D]
+        where = (slots[:, None], slice(None), pos[None, :])  # -> [R, P, Hkv, D] in a slot
+        with self._ctx():
+            x = self.embed(tokens)  # [U, P, H]
+            for i, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                q = _rope(attn.q_proj(h).view(u, p, self.num_heads, self.head_dim), cos, sin)
+                k = _rope(attn.k_proj(h).view(u, p, self.num_kv_heads, self.head_dim), cos, sin)
+                v = attn.v_proj(h).view(u, p, self.num_kv_heads, self.head_dim)
+                kv[i, 0][where] = k[group].to(self.dtype)
+                kv[i, 1][where] = v[group].to(self.dtype)
+                # Right padding: a real query (< length) sees only real keys under the
+                # causal mask; padded queries compute garbage nobody reads.
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2).to(self.dtype),
+                    k.transpose(1, 2).to(self.dtype),
+                    v.transpose(1, 2).to(self.dtype),
+                    is_causal=True,
+                    scale=attn.scaling,
+                    enable_gqa=True,
+                )  # [U, Hq, P, D]
+                x = x + attn.o_proj(o.transpose(1, 2).reshape(u, p, -1))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            last = x[torch.arange(u, device=x.device), lengths - 1]  # [U, H]
+            return self.lm_head(self.norm(last)).float()
+
+    def decode(
+        self,
+        tokens: torch.Tensor,  # [B] int64
+        positions: torch.Tensor,  # [B] int64, where each token sits (its K/V is written there)
+        rows: torch.Tensor,  # [B] int64, = arange(B) (a static buffer: no arange per step)
+        kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D], S >= B; row b uses slot b
+    ) -> torch.Tensor:
+        """One token per row -> logits [B, V]. Shapes are static given B (CUDA-graph safe)."""
+        b = tokens.shape[0]
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
+        cq, sq = cos[:, None, None, :], sin[:, None, None, :]
+        ck, sk = cos[:, None, :], sin[:, None, :]
+        # Each row attends to its own slot up to and including its position.
+        mask = (self.cols[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        with self._ctx():
+            x = self.embed(tokens)  # [B, H]
+            for i, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                # GQA as a batch of Hkv heads with G query "positions" each: no K/V repeat.
+                q = attn.q_proj(h).view(b, self.num_kv_heads, self.groups, self.head_dim)
+                k = attn.k_proj(h).view(b, self.num_kv_heads, self.head_dim)
+                v = attn.v_proj(h).view(b, self.num_kv_heads, self.head_dim)
+                q, k = _rope(q, cq, sq), _rope(k, ck, sk)
+                kc, vc = kv[i, 0, :b], kv[i, 1, :b]  # [B, Hkv, L, D] views of the cache
+                kc[rows, :, positions] = k.to(self.dtype)
+                vc[rows, :, positions] = v.to(self.dtype)
+                o = F.scaled_dot_product_attention(
+                    q.to(self.dtype), kc, vc, attn_mask=mask, scale=attn.scaling
+                )  # [B, Hkv, G, D]
+                x = x + attn.o_proj(o.reshape(b, -1))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            return self.lm_head(self.norm(x)).float()

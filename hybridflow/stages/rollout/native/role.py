@@ -1,0 +1,299 @@
+"""The `native` rollout backend: the role that puts the native engine behind the rollout
+contract of the `hf` and `vllm` backends (rollout/hf.py's docstring: the same batch
+fields, shapes, log-prob semantics and metrics).
+
+Ops (declared with stages/contract.py's `@op`; `RoleBase.handle` runs them synchronously):
+
+  generate      concurrent (async): prompt_ids/prompt_mask [B, P] -> prompt_ids, prompt_mask,
+                response_ids, response_mask, rollout_logprobs [B*n, ...], group_index [B*n].
+                Several calls may be in flight at once: their rows share decode steps
+                (continuous batching), and each returns as soon as its own rows are done.
+  load_weights  step op: one streamed bucket {name: tensor}; params {"last", "version"}
+  sleep         step op: frees the KV cache and CUDA graphs (`release_cache_on_sleep`)
+  wake_up       step op: re-allocates them (and re-captures the graphs)
+Not an op: `update_weights(iterable of (name, tensor), version)`, the in-process hand-off
+of a colocated actor (actor.reshard calls it).
+
+Randomness: each call's seed is `params["seed"]`, else mix_seed(seed, step, mb_id), else
+mix_seed(seed, "call", counter), as in the hf backend; the samples of a call depend on that
+seed only, not on the other calls it shares the engine with.
+
+Invariants: generation never runs on a partially written model; weight updates, sleep and
+wake-up are refused while any generate call is in flight (the runtime reshards between
+phases); all device work runs on the engine's thread; outputs are CPU tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridflow.config.loader import from_dict
+from hybridflow.errors import BatchError, ConfigError
+from hybridflow.stages.base import Batch, Metrics, Params, StageContext
+from hybridflow.stages.common import build_model, check_left_padded, mix_seed, options_path, require
+from hybridflow.stages.contract import RoleBase, Scope, op
+from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
+from hybridflow.stages.rollout.native.frontend import AsyncEngine
+from hybridflow.stages.rollout.native.request import Request, SamplingParams
+from hybridflow.stages.rollout.native.weights import WeightReceiver
+from hybridflow.stages.rollout.state import (
+    GENERATE_INPUTS,
+    GENERATE_OUTPUTS,
+    HFRolloutOptions,
+    RolloutState,
+)
+
+GIB = float(1 << 30)
+
+
+@dataclass
+class NativeRolloutOptions(HFRolloutOptions):
+    # A KV slot holds max_prompt_len + max_new_tokens positions; longer prompts are refused.
+    max_prompt_len: int = 512
+    kv_cache_gb: float = 4.0  # KV cache budget; slots = min(max_num_seqs, budget // slot)
+    max_num_seqs: int = 256  # most sequences decoded together
+    cuda_graphs: bool = True  # CUDA-graph decode steps (GPU only; CPU always runs eager)
+    graph_batch_sizes: list[int] = field(default_factory=list)  # [] = default buckets
+    max_prefill_tokens: int = 8192  # prompts x longest prompt per prefill batch
+    release_cache_on_sleep: bool = True  # sleep frees the KV cache (colocated training)
+    alias_weights: bool = False  # share the actor's tensors when dtype/device match
+
+    def validate(self, path: str) -> None:
+        HFRolloutOptions.validate(self, path)
+
+        def bad(key: str, msg: str) -> ConfigError:
+            return ConfigError(f"{path}.{key}" if path else key, msg)
+
+        if self.max_prompt_len < 1:
+            raise bad("max_prompt_len", f"must be >= 1, got {self.max_prompt_len}")
+        if self.kv_cache_gb <= 0:
+            raise bad("kv_cache_gb", f"must be > 0, got {self.kv_cache_gb}")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if any(b < 1 for b in self.graph_batch_sizes):
+            raise bad("graph_batch_sizes", f"must all be >= 1, got {self.graph_batch_sizes}")
+        if self.max_prefill_tokens < 1:
+            raise bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
+
+
+class NativeRollout(RolloutState, RoleBase):
+    """Registered as ("rollout", "native")."""
+
+    backend_name = "native"
+    options_cls = NativeRolloutOptions
+
+    def __init__(self) -> None:
+        self.opts: NativeRolloutOptions | None = None
+        self.engine: AsyncEngine | None = None
+        self.weights: WeightReceiver | None = None
+        self.calls = 0
+        self.policy_version: int | None = None
+        self._active = 0  # generate calls in flight (all on the stage's event loop)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def setup(self, ctx: StageContext) -> None:
+        path = options_path(ctx)
+        opts = from_dict(NativeRolloutOptions, dict(ctx.options), path)
+        self.opts = opts
+        self.seed = ctx.seed if opts.seed is None else opts.seed
+        self.tokenizer, model = build_model(ctx, opts, "causal_lm")
+        model.requires_grad_(False)
+        self.pad_id = (
+            opts.pad_token_id if opts.pad_token_id is not None else self.tokenizer.pad_token_id
+        )
+        self.eos_ids = _eos_ids(opts, self.tokenizer, model)
+        if opts.stop_on_eos and not self.eos_ids:
+            raise ConfigError(f"{path}.eos_token_id", "the model names no EOS token")
+        max_len = opts.max_prompt_len + opts.max_new_tokens
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and max_len > limit:
+            raise ConfigError(
+                f"{path}.max_prompt_len",
+                f"max_prompt_len {opts.max_prompt_len} + max_new_tokens {opts.max_new_tokens} "
+                f"exceeds the model's {limit} positions",
+            )
+        config = EngineConfig(
+            max_model_len=max_len,
+            kv_cache_gb=opts.kv_cache_gb,
+            max_num_seqs=opts.max_num_seqs,
+            cuda_graphs=opts.cuda_graphs,
+            graph_batch_sizes=tuple(opts.graph_batch_sizes),
+            max_prefill_tokens=opts.max_prefill_tokens,
+            max_stop_ids=max(1, len(self.eos_ids)),
+            autocast_bf16=opts.autocast_bf16,
+        )
+        self.engine = AsyncEngine(NativeEngine(model, config, path=path))
+        self.weights = WeightReceiver(
+            dict(model.named_parameters(remove_duplicate=False)), alias=opts.alias_weights
+        )
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def _engine(self) -> AsyncEngine:
+        if self.engine is None or self.weights is None:
+            raise RuntimeError("NativeRollout used before setup (or after close)")
+        return self.engine
+
+    # -- ops -----------------------------------------------------------------------------
+    @op(inputs=GENERATE_INPUTS, outputs=GENERATE_OUTPUTS, concurrent=True)
+    async def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Sample n responses per prompt; awaits the engine thread (other calls' rows
+        share its decode steps meanwhile)."""
+        engine = self._engine()
+        assert self.weights is not None
+        opts = self._call_options(params)
+        where = "native rollout generate"
+        if self.weights.updating:
+            raise BatchError(f"{where}: a weight update is in progress (no `last` bucket yet)")
+        if not self.weights.ok:
+            raise BatchError(f"{where}: the last weight update failed or was incomplete")
+        require(batch, ("prompt_ids", "prompt_mask"), where)
+        ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+        self._check_prompts(ids, mask, where)
+        if params.get("seed") is not None:
+            seed = int(params["seed"])
+        elif "step" in params and "mb_id" in params:
+            seed = mix_seed(self.seed, params["step"], params["mb_id"])
+        else:
+            seed = mix_seed(self.seed, "call", self.calls)
+        self.calls += 1
+        m = mask.to(torch.int64)
+        prompts = [ids[i][m[i].bool()].to(torch.int64) for i in range(ids.shape[0])]
+        sampling = SamplingParams(
+            temperature=opts.temperature,
+            top_p=opts.top_p,
+            top_k=opts.top_k,
+            max_new_tokens=opts.max_new_tokens,
+            n=opts.n,
+            stop_token_ids=tuple(self.eos_ids) if opts.stop_on_eos else (),
+        )
+        t0 = time.perf_counter()
+        # Calls of this op run side by side on the stage's event loop (one thread), so a
+        # plain counter says how many micro-batches shared the engine with this one.
+        self._active += 1
+        shared = self._active
+        try:
+            out = await engine.generate(Request(prompts, sampling, seed))
+        finally:
+            self._active -= 1
+        gen_s = time.perf_counter() - t0
+        width = out.tokens.shape[1]
+        response_mask = (torch.arange(width)[None, :] < out.lengths[:, None]).to(torch.int64)
+        result = {
+            "prompt_ids": ids.repeat_interleave(opts.n, dim=0),  # [B*n, P]
+            "prompt_mask": m.repeat_interleave(opts.n, dim=0),  # [B*n, P]
+            "response_ids": torch.where(response_mask.bool(), out.tokens, self.pad_id),
+            "response_mask": response_mask,  # [B*n, R]
+            "rollout_logprobs": out.logprobs * response_mask,  # [B*n, R] float32
+            "group_index": torch.arange(ids.shape[0]).repeat_interleave(opts.n),  # [B*n]
+        }
+        tokens = int(out.lengths.sum())
+        metrics = self._generate_metrics(gen_s, tokens, int(out.lengths.numel()))
+        metrics["rollout/concurrent_calls"] = float(shared)  # this call and those in flight
+        return result, metrics
+
+    @op(scope=Scope.STEP)
+    def load_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """One bucket of a weight update (`last` ends it); the batch is {name: tensor}."""
+        last = bool(params.get("last", True))
+        return {}, self.load_bucket(batch, last=last, version=params.get("version"))
+
+    @op(scope=Scope.STEP)
+    def sleep(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Free the KV cache and CUDA graphs (if `release_cache_on_sleep`)."""
+        assert self.opts is not None
+        if not self.opts.release_cache_on_sleep:
+            return {}, {"rollout/sleep_skipped": 1.0}
+        engine = self._engine()
+        t0 = time.perf_counter()
+        freed = engine.call(lambda core: core.release())
+        return {}, {"rollout/sleep_s": time.perf_counter() - t0, "rollout/kv_freed_gb": freed / GIB}
+
+    @op(scope=Scope.STEP)
+    def wake_up(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Re-allocate the KV cache and re-capture the graphs (no-op when awake)."""
+        engine = self._engine()
+        t0 = time.perf_counter()
+
+        def wake(core: NativeEngine) -> dict[str, float]:
+            core.allocate()
+            return core.memory_stats()
+
+        stats = engine.call(wake)
+        metrics = {"rollout/wake_s": time.perf_counter() - t0}
+        metrics["rollout/kv_cache_gb"] = stats["kv_cache_bytes"] / GIB
+        if "peak_allocated_bytes" in stats:
+            metrics["rollout/peak_mem_gb"] = stats["peak_allocated_bytes"] / GIB
+        return {}, metrics
+
+    # -- weights -------------------------------------------------------------------------
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> Metrics:
+        """In-process hand-off (colocated actor): one complete update, consumed lazily on
+        the engine thread; refused while a generate call is in flight."""
+        engine = self._engine()
+        assert self.weights is not None
+        receiver = self.weights
+        return engine.call(lambda core: self._finish(core, receiver.update(weights), version))
+
+    def load_bucket(
+        self, bucket: Mapping[str, torch.Tensor], *, last: bool, version: int | None = None
+    ) -> Metrics:
+        """One bucket of a streamed update (disaggregated: buckets arrive as messages)."""
+        engine = self._engine()
+        assert self.weights is not None
+        receiver = self.weights
+
+        def apply(core: NativeEngine) -> Metrics:
+            metrics = receiver.bucket(bucket, last=last)
+            return self._finish(core, metrics, version) if last else metrics
+
+        return engine.call(apply)
+
+    def _finish(self, core: NativeEngine, metrics: Metrics, version: int | None) -> Metrics:
+        assert self.weights is not None
+        if self.weights.replaced:  # aliased storage: the graphs point at the old tensors
+            core.refresh_graphs()
+        if version is not None:
+            self.policy_version = int(version)
+        return metrics
+
+    # -- checks --------------------------------------------------------------------------
+    def _check_prompts(self, ids: torch.Tensor, mask: torch.Tensor, where: str) -> None:
+        if ids.dim() != 2 or ids.shape != mask.shape:
+            raise BatchError(
+                f"{where}: prompt_ids {tuple(ids.shape)} and prompt_mask {tuple(mask.shape)} "
+                "must both be [B, P]"
+            )
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise BatchError(f"{where}: prompt_ids must be integer, got {ids.dtype}")
+        m = mask.to(torch.int64)
+        if not bool(((m == 0) | (m == 1)).all()):
+            raise BatchError(f"{where}: prompt_mask must hold only 0 and 1")
+        check_left_padded(m, where)
+        if not bool(m.sum(-1).gt(0).all()):
+            raise BatchError(f"{where}: some rows have an empty prompt")
+
+
+def _eos_ids(opts: HFRolloutOptions, tokenizer: Any, model: Any) -> list[int]:
+    """The configured EOS id, else the tokenizer's and the generation config's (as hf)."""
+    if opts.eos_token_id is not None:
+        return [opts.eos_token_id]
+    ids: list[int] = []
+    for source in (
+        tokenizer.eos_token_id,
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
+        for i in [source] if isinstance(source, int) else list(source or []):
+            if int(i) not in ids:
+                ids.append(int(i))
+    return ids

@@ -1,0 +1,110 @@
+"""Writing a weight update into a rollout engine's model: in place, bucket by bucket, with
+the completeness check every rollout backend promises (hf, native).
+
+Consumes (name, tensor) pairs named as `model.named_parameters(remove_duplicate=False)`
+names them (a tied weight answers to both names), from a colocated actor's iterable or
+from streamed buckets. Produces the update metrics (`timing/reshard`, `reshard/bytes`,
+`reshard/tensors`) and, after the last bucket, either a complete model or an error.
+
+Aliasing (option): when a tensor already has the parameter's shape, dtype and device and
+is contiguous, the parameter takes its storage instead of a copy, so a colocated engine
+reads the actor's weights with no second copy. The storage stays shared until the next
+update, and anything that captured the old pointers (CUDA graphs) must be re-made:
+`replaced` says whether this update changed any parameter's storage.
+
+Invariants: a model is never sampled half-written (`ok` is False from the first tensor
+of an update until its last bucket passes the completeness check, and stays False after
+any error); unknown names and shape mismatches are BatchErrors naming the parameter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from hybridflow.errors import BatchError
+from hybridflow.stages.base import Metrics
+
+
+class WeightReceiver:
+    def __init__(self, params: Mapping[str, torch.nn.Parameter], *, alias: bool = False) -> None:
+        self.params = dict(params)  # every name the sender may use -> parameter
+        self.alias = alias
+        self.updating = False
+        self.ok = True
+        self.replaced = False
+        self._unwritten: set[int] = set()
+        self._bytes = self._tensors = 0
+        self._t0 = 0.0
+
+    def update(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Metrics:
+        """One complete update from (name, tensor) pairs, consumed lazily."""
+        self.begin()
+        self.feed(weights)
+        return self.end()
+
+    def bucket(self, bucket: Mapping[str, torch.Tensor], *, last: bool) -> Metrics:
+        """One bucket of a streamed update; the last one closes it."""
+        if not isinstance(bucket, Mapping):
+            raise BatchError(f"load_weights: bucket must be a mapping, got {type(bucket).__name__}")
+        if not self.updating:
+            self.begin()
+        self.feed(bucket.items())
+        if not last:
+            return {"reshard/bucket_tensors": float(len(bucket))}
+        return self.end()
+
+    def begin(self) -> None:
+        self.updating, self.ok, self.replaced = True, False, False
+        self._unwritten = {id(p) for p in self.params.values()}
+        self._bytes = self._tensors = 0
+        self._t0 = time.perf_counter()
+
+    def feed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        try:
+            with torch.no_grad():
+                for name, tensor in weights:
+                    param = self.params.get(name)
+                    if param is None:
+                        known = list(self.params)[:4]
+                        raise BatchError(f"load_weights: unknown parameter {name!r} (e.g. {known})")
+                    if param.shape != tensor.shape:
+                        raise BatchError(
+                            f"load_weights: {name} is {tuple(tensor.shape)}, the model "
+                            f"expects {tuple(param.shape)}"
+                        )
+                    self._write(param, tensor)
+                    self._unwritten.discard(id(param))
+                    self._bytes += tensor.numel() * tensor.element_size()
+                    self._tensors += 1
+        except BaseException:
+            self.updating = False  # ok stays False: never sample mixed weights
+            raise
+
+    def _write(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
+        same = (
+            tensor.dtype == param.dtype and tensor.device == param.device and tensor.is_contiguous()
+        )
+        if self.alias and same:
+            if tensor.data_ptr() != param.data_ptr():
+                param.data = tensor.detach()
+                self.replaced = True
+        elif tensor.data_ptr() != param.data_ptr():
+            param.copy_(tensor)  # casts dtype and moves device as needed
+
+    def end(self) -> Metrics:
+        self.updating = False
+        if self._unwritten:
+            missing = [n for n, p in self.params.items() if id(p) in self._unwritten]
+            raise BatchError(
+                f"load_weights: incomplete update, {len(missing)} parameter(s) never "
+                f"received, e.g. {missing[:4]}"
+            )
+        self.ok = True
+        return {
+            "timing/reshard": time.perf_counter() - self._t0,
+            "reshard/bytes": float(self._bytes),
+            "reshard/tensors": float(self._tensors),
+        }

@@ -1,0 +1,80 @@
+"""AsyncEngine: the engine thread resolves futures, refuses calls in flight, turns a
+failed step into errors of the requests it carried (and keeps going), and closes cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+from native_helpers import engine, prompts, run_all
+
+from hybridflow.errors import BatchError
+from hybridflow.stages.rollout.native.frontend import AsyncEngine, EngineClosedError
+from hybridflow.stages.rollout.native.request import Request, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
+
+
+def test_futures_resolve_with_the_sync_engine_results(qwen: Any) -> None:
+    reqs = [Request(prompts(k, seed=k), GREEDY) for k in (2, 3, 1)]
+    ref = run_all(engine(qwen), reqs)
+    front = AsyncEngine(engine(qwen))
+    try:
+
+        async def all_at_once() -> list[Any]:
+            return await asyncio.gather(*(front.generate(r) for r in reqs))
+
+        for out, want in zip(asyncio.run(all_at_once()), ref, strict=True):
+            assert torch.equal(out.tokens, want.tokens)
+        assert front.in_flight() == 0
+        assert front.call(lambda core: core.in_flight()) == 0
+    finally:
+        front.close()
+    assert not front._thread.is_alive()
+    with pytest.raises(EngineClosedError):
+        front.submit(reqs[0])
+
+
+def test_bad_request_fails_only_itself(qwen: Any) -> None:
+    front = AsyncEngine(engine(qwen))
+    try:
+        bad = front.submit(Request([torch.tensor([1, 2])], SamplingParams(top_p=0.0)))
+        good = front.submit(Request(prompts(1), GREEDY))
+        with pytest.raises(BatchError, match="top_p"):
+            bad.result(timeout=30)
+        assert good.result(timeout=30).tokens.shape == (1, 10)
+    finally:
+        front.close()
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(qwen: Any) -> None:
+    core = engine(qwen)
+    front = AsyncEngine(core)
+    real_step = core.step
+    calls = {"n": 0}
+
+    def flaky_step() -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real_step()
+
+    core.step = flaky_step  # type: ignore[method-assign]
+    try:
+        fut = front.submit(Request(prompts(2), GREEDY))
+        with pytest.raises(RuntimeError, match="boom"):
+            fut.result(timeout=30)
+        assert core.in_flight() == 0 and not core.has_work()
+        assert front.submit(Request(prompts(2), GREEDY)).result(timeout=30).tokens.shape[0] == 2
+    finally:
+        front.close()
+
+
+def test_close_fails_requests_still_running(qwen: Any) -> None:
+    front = AsyncEngine(engine(qwen, max_model_len=512, kv_cache_gb=0.2))
+    fut = front.submit(Request(prompts(2), SamplingParams(max_new_tokens=400)))
+    front.close()
+    with pytest.raises(EngineClosedError):
+        fut.result(timeout=30)

@@ -1,0 +1,116 @@
+"""The native engine on CUDA: CUDA-graph decode gives the eager decode's tokens,
+continuous batching through graph buckets, sleep frees memory, aliasing re-captures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from native_helpers import build, ctx, engine, prompts, run_all
+
+from hybridflow.stages.rollout.native.request import Request, SamplingParams
+from hybridflow.stages.rollout.native.role import NativeRollout
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def cuda_model(tokenizer: Any) -> Any:
+    return build(tokenizer, "tiny", device="cuda")
+
+
+def _requests() -> list[Request]:
+    return [Request([p.cuda() for p in prompts(k, seed=k)], GREEDY, seed=0) for k in (3, 6, 1)]
+
+
+def test_graph_decode_equals_eager_decode(cuda_model: Any) -> None:
+    reqs = _requests()
+    eager_engine = engine(cuda_model, cuda_graphs=False)
+    assert eager_engine.graphs is None
+    eager = run_all(eager_engine, reqs)
+    graphed_engine = engine(cuda_model, max_num_seqs=16, graph_batch_sizes=(2, 4, 8))
+    assert graphed_engine.graphs is not None and graphed_engine.graphs.captured
+    graphed = run_all(graphed_engine, reqs)
+    for a, b in zip(eager, graphed, strict=True):
+        assert torch.equal(a.tokens, b.tokens)
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_requests_joining_running_graph_steps_equal_alone(cuda_model: Any) -> None:
+    reqs = _requests()
+    alone = [run_all(engine(cuda_model), [r])[0].tokens for r in reqs]
+    eng = engine(cuda_model, max_num_seqs=8)
+    ids, outs = [eng.add_request(reqs[0])], {}
+    for step in range(300):
+        if step in (3, 7):
+            ids.append(eng.add_request(reqs[len(ids)]))
+        outs.update({o.request_id: o for o in eng.step()})
+        if len(outs) == len(reqs):
+            break
+    for i, rid in enumerate(ids):
+        assert torch.equal(outs[rid].tokens, alone[i])
+
+
+def test_sampling_with_top_k_runs_in_graphs_and_is_seeded(cuda_model: Any) -> None:
+    params = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, max_new_tokens=16, n=4)
+    req = Request([p.cuda() for p in prompts(2)], params, seed=11)
+    a = run_all(engine(cuda_model), [req])[0]
+    b = run_all(engine(cuda_model, cuda_graphs=False), [req])[0]
+    assert torch.equal(a.tokens, b.tokens)
+
+
+def test_release_frees_device_memory_and_allocate_recaptures(cuda_model: Any) -> None:
+    eng = engine(cuda_model, kv_cache_gb=0.5, max_num_seqs=64)
+    (ref,) = run_all(eng, _requests()[:1])
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    assert eng.release() > 0
+    assert torch.cuda.memory_allocated() < held - eng.cache.nbytes // 2
+    eng.allocate()
+    assert eng.graphs is not None and eng.graphs.captured
+    assert torch.equal(run_all(eng, _requests()[:1])[0].tokens, ref.tokens)
+    assert eng.memory_stats()["peak_allocated_bytes"] > 0
+
+
+def test_aliased_weights_recapture_graphs() -> None:
+    r = NativeRollout()
+    r.setup(
+        ctx(
+            {
+                "max_new_tokens": 16,
+                "max_prompt_len": 16,
+                "kv_cache_gb": 0.05,
+                "alias_weights": True,
+            },
+            "cuda",
+        )
+    )
+    try:
+        model = r.engine.core.model.hf  # type: ignore[union-attr]
+        actor = {n: p.detach().clone() * 1.2 for n, p in model.named_parameters()}
+        r.update_weights(iter(actor.items()), version=1)
+        assert all(
+            dict(model.named_parameters())[n].data_ptr() == t.data_ptr() for n, t in actor.items()
+        )
+        b = {
+            "prompt_ids": torch.tensor([[5, 6, 7, 8]]),
+            "prompt_mask": torch.ones(1, 4, dtype=torch.int64),
+        }
+        graphed = r.handle("generate", b, {"temperature": 0.0})[0]["response_ids"]
+        eager = run_all(
+            engine(model, cuda_graphs=False, max_model_len=32),
+            [
+                Request(
+                    [torch.tensor([5, 6, 7, 8], device="cuda")],
+                    SamplingParams(
+                        temperature=0.0, max_new_tokens=16, stop_token_ids=tuple(r.eos_ids)
+                    ),
+                )
+            ],
+        )[0]
+        n = int(eager.lengths[0])
+        assert graphed[0, :n].tolist() == eager.tokens[0, :n].tolist()
+    finally:
+        r.close()
