@@ -16,7 +16,17 @@ from collections.abc import Sequence
 from hybridflow import __version__
 from hybridflow.errors import HybridflowError
 
-BENCHES = ("transport", "overlap", "reward", "reshard", "rollout")
+BENCHES = (
+    "transport",
+    "overlap",
+    "reward",
+    "reshard",
+    "rollout",
+    "engine-reuse",
+    "step",
+    "native-engine",
+    "logprob-gap",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,7 +93,7 @@ COMMANDS = {
 
 
 def _bench(args: argparse.Namespace) -> int:
-    mod = importlib.import_module(f"hybridflow.bench.{args.what}")
+    mod = importlib.import_module(f"hybridflow.bench.{args.what.replace('-', '_')}")
     result = mod.run(args)
     text = json.dumps(result, indent=None if args.json else 2, sort_keys=False)
     print(text)

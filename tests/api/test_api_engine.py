@@ -36,8 +36,8 @@ def clean(rows: list[dict[str, float]]) -> list[dict[str, float]]:
 def reference(tmp_path_factory):
     """6 uninterrupted steps: metrics and the final checkpoint."""
     log_dir = tmp_path_factory.mktemp("ref")
-    engine = builder().build(metrics_backend="jsonl", log_dir=log_dir)
-    result = engine.train("last_digit", steps=6)
+    with builder().build(metrics_backend="jsonl", log_dir=log_dir) as engine:
+        result = engine.train("last_digit", steps=6)
     return clean(result.metrics), Path(result.checkpoint), log_dir
 
 
@@ -89,6 +89,7 @@ def test_killed_run_resumes_identically_and_same_seed_repeats(reference, tmp_pat
     saved = engine.save_checkpoint(save_path=tmp_path / "saved", save_interval=1000, keep_last=3)
     assert saved is not None and json.loads((Path(saved) / "meta.json").read_text())["step"] == 6
     assert (tmp_path / "saved" / "latest").read_text().strip() == Path(saved).name
+    engine.close()
 
 
 def check_checkpoint(path: Path, step: int) -> None:

@@ -32,3 +32,21 @@ def test_bench_overlap_quick_reports_every_field(tmp_path, monkeypatch):
     assert res["speedup"] == pytest.approx(res["sequential_s"] / res["streamed_s"], rel=0.01)
     assert res["efficiency"] == pytest.approx(res["ideal_s"] / res["streamed_s"], rel=0.01)
     assert res["zero_cost_tasks"] == 3 * (3 * 8 + 3)  # 3 steps x (3 mb ops x 8 + 3 step ops)
+
+
+def test_bench_step_quick_reports_phases_and_throughput(tmp_path, monkeypatch):
+    """`bench step --quick`: the CPU grpo preset with the native rollout, 3 steps; the
+    fields are consistent with each other (no timing thresholds)."""
+    from hybridflow.bench import step
+
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(
+        config=None, overrides=[f"run_dir={tmp_path}"], quick=True, json=True, out=None
+    )
+    res = step.run(args)
+    assert res["config"] == "grpo" and res["steps_timed"] == 2 and res["step_batch"] == 32
+    assert res["samples_per_s"] == pytest.approx(32 / res["step_s"], rel=0.01)
+    assert {"rollout", "reward", "ref", "adv", "train", "reshard"} <= set(res["phases"])
+    assert res["gen_tokens_per_s"] > 0 and 0 < res["response_len_mean"] <= 8
+    assert -1.0 < res["overlap_share"] < 1.0
+    assert res["peak_gpu_mem_gb"] is None  # CPU

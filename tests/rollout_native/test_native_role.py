@@ -47,7 +47,7 @@ def test_generate_has_the_hf_contract_and_greedy_equals_hf(native: NativeRollout
     hf = HFRollout()
     hf.setup(ctx(OPTS))
     ref, ref_metrics = hf.handle("generate", b, params)
-    assert set(out) == set(ref) and set(metrics) == set(ref_metrics)
+    assert set(out) == set(ref) and set(ref_metrics) <= set(metrics)
     for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_index"):
         assert out[key].dtype == ref[key].dtype and torch.equal(out[key], ref[key]), key
     assert out["rollout_logprobs"].dtype == torch.float32

@@ -1,26 +1,49 @@
-"""The Engine: runs what a DataflowBuilder declared, one pipeline run per call.
+"""The Engine: runs what a DataflowBuilder declared, on stage processes that stay up.
 
     engine = df.build(...)                       (hybridflow.pipeline.api.builder)
-    engine.train(dataset, steps=N)               RL steps: run_topology(topology of the job,
-                                                 start_step = steps done, resume_dir = state)
+    engine.train(dataset, steps=N)               N RL steps of the compiled training step
     engine.sft(dataset, steps=N)                 actor.sft_update steps, then the exported
                                                  policy replaces the initial model
     engine.run(prompts)                          rollout.generate + reward.score only
     engine.save_checkpoint(path, interval, keep) where and how often train() checkpoints
     engine.resume("latest" | path)               continue a checkpointed job
+    engine.close()  /  with df.build(...) as engine: ...
 
-State between calls lives on disk: every train/sft call ends with a checkpoint
-(pipeline/checkpoint.py) and the next call starts its stage processes from it, so two
-`train(steps=3)` calls log what one `train(steps=6)` logs, and `run` after training
-samples the trained policy. Without save_checkpoint the engine keeps its state in
+Life time: the first call starts one process per stage replica of the whole topology
+(every stage, whatever that call needs) and loads every model; every later call is a
+job on the same processes (pipeline/runtime/session.py), so a second call costs no
+startup and weights stay where they are: a `run` after a `train` samples the trained
+policy, and a second `train` continues the first (optimizer, policy version, step).
+Each job sends a subset of the training topology's ops (`run`: generate + score).
+The processes stop at `close()`, at the end of a `with` block, or when the Engine is
+garbage collected (a weakref finalizer; the children also die with this process).
+They are restarted, at the next call, from `state` when
+  - a call raised (a stage failed or died, Ctrl-C): the processes may hold half a step;
+  - `resume()` chose a checkpoint: the processes restore it at setup;
+  - `sft()` exported a policy: every role (reference included) reloads from it, with a
+    fresh optimizer, and RL starts from it at step 0;
+  - the builder's declarations changed (define_training_step, add_*, configure, ...).
+`close()` does not end the Engine: a later call starts the processes again from `state`.
+
+Checkpoints: every train/sft call ends with one (pipeline/checkpoint/), so
+`resume_from` works from another process, and two `train(steps=3)` calls log what one
+`train(steps=6)` logs. Without save_checkpoint the engine keeps its state in
 `<log_dir>/checkpoints` (the last one only).
 
+Compilation: the training step is compiled and placed once per builder state (cached
+here); each call then builds its job's Topology from that one by typed replacement
+(data, sizes, dataflow), plans it once and runs it. `run`'s dataflow comes from the
+compiler (a generate-and-score logic); `sft`'s op list is `_SFT_OPS` (the step grammar
+has no SFT method yet).
+
 Invariant: `step` is the number of RL steps whose effects are in `state` (the
-checkpoint the next call resumes from); a call that raises leaves both unchanged.
+checkpoint the next restart resumes from) and, while processes are up, in them; a call
+that raises leaves `step` and `state` unchanged and stops the processes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 from collections.abc import Mapping, Sequence
@@ -28,14 +51,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridflow.config.loader import to_dict
-from hybridflow.config.schema import Topology, load_topology
+from hybridflow.config.loader import from_dict, to_dict
+from hybridflow.config.schema import (
+    MetricsConfig,
+    OpConfig,
+    RunConfig,
+    Topology,
+)
 from hybridflow.errors import ConfigError
 from hybridflow.pipeline.checkpoint import store as ckpt
+from hybridflow.pipeline.compiler.frontend import CompiledStep, compile_step
+from hybridflow.pipeline.compiler.plan import Plan, build_plan
 from hybridflow.pipeline.sources.datasets import dataset_source
 
 if TYPE_CHECKING:
     from hybridflow.pipeline.api.builder import DataflowBuilder
+    from hybridflow.pipeline.runtime.coordinator import RunResult
+    from hybridflow.pipeline.runtime.session import Session
 
 
 @dataclass
@@ -49,7 +81,28 @@ class TrainResult:
     run_dir: str = ""
 
 
-_GENERATE_AND_SCORE = (("rollout", "generate"), ("reward", "score"))
+# `Engine.run`: one response per prompt, scored (compiled like any training step).
+_GENERATE_AND_SCORE = """
+response = actor.generate(prompt)
+score = reward.score(prompt, response)
+"""
+_COLLECT = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rewards")
+_SFT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+_SFT_OPS = (
+    OpConfig(role="actor", op="sft_update", inputs=_SFT_FIELDS, phase="train"),
+    OpConfig(role="actor", op="optimizer_step", scope="step", phase="train"),
+    OpConfig(role="actor", op="reshard", scope="step", phase="reshard"),
+)
+_LOAD_WEIGHTS = OpConfig(role="rollout", op="load_weights", scope="step", phase="reshard")
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """The builder's declarations compiled and placed once (see `Engine._declared`)."""
+
+    key: str  # fingerprint of the builder state it was made from
+    topology: Topology  # the training topology: what the processes are started with
+    compiled: CompiledStep
 
 
 class Engine:
@@ -64,6 +117,31 @@ class Engine:
         self.state: str | None = None  # the checkpoint holding the current state
         self.save: ckpt.CheckpointConfig | None = None
         self.history: list[dict[str, float]] = []
+        self._session: Session | None = None
+        self._cache: _Declared | None = None
+        self._generate: tuple[tuple[str, ...], CompiledStep] | None = None
+
+    # -- life time ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the stage processes (idempotent). A later call starts them again."""
+        session, self._session = self._session, None
+        if session is not None:
+            session.close("engine closed")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def pids(self) -> dict[str, int]:
+        """Stage process name ("engine/0") -> pid, while processes are up; else {}."""
+        return self._session.pids() if self._session is not None else {}
+
+    @property
+    def run_id(self) -> str | None:
+        """The run id of the processes that are up (their shm segments and ipc dir)."""
+        return self._session.run_id if self._session is not None else None
 
     # -- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(
@@ -98,7 +176,7 @@ class Engine:
         path = ckpt.resolve(resume_from, base)
         meta = ckpt.read_meta(path)
         theirs = _layout(meta.get("config", {}).get("stages") or {})
-        ours = _layout(to_dict(self.builder.topology(**self.settings))["stages"])
+        ours = _layout(to_dict(self._declared().topology)["stages"])
         if theirs != ours:
             raise ConfigError(
                 "resume_from",
@@ -106,6 +184,7 @@ class Engine:
                 "(a checkpoint resumes the same roles on the same processes)",
             )
         self.state, self.step = str(path), int(meta["step"])
+        self.close()  # the processes restart from the chosen checkpoint at the next call
         return self.state
 
     def _default_dir(self) -> str:
@@ -139,10 +218,20 @@ class Engine:
             self.resume(resume_from)
         if steps < 1:
             raise ConfigError("steps", f"must be >= 1, got {steps}")
-        topo = self.builder.topology(dataset=dataset, steps=self.step + steps, **self.settings)
-        res = self._run(topo, self.step, self._checkpointer(self.step + steps - 1))
+        declared = self._declared()
+        base = declared.topology
+        topo = _validated(
+            dataclasses.replace(
+                base,
+                run=dataclasses.replace(base.run, steps=self.step + steps),
+                data=self._with_source(base, dataset),
+            )
+        )
+        plan = build_plan(topo, check_devices=True)
+        # The job's processes are the training topology's: its plan launches them too.
+        res = self._job(plan, plan, self.step, self._checkpointer(self.step + steps - 1))
         self.step += steps
-        return self._result(res, topo)
+        return self._result(res, topo, declared.compiled)
 
     def sft(
         self,
@@ -152,54 +241,61 @@ class Engine:
         batch_size: int | None = None,
         lr: float | None = None,
     ) -> TrainResult:
-        """Supervised fine-tuning of the actor on (prompt, response) pairs: a built-in
-        task's ideal answers ("last_digit") or a file/records with prompt/response. The
-        fine-tuned policy then replaces the initial one everywhere (actor, rollout,
-        reference: the usual SFT -> RL pipeline) and RL starts from it at step 0."""
+        """Supervised fine-tuning of the current policy on (prompt, response) pairs: a
+        built-in task's ideal answers ("last_digit") or a file/records with
+        prompt/response. The fine-tuned policy then replaces the initial one everywhere
+        (actor, rollout, reference: the usual SFT -> RL pipeline; the processes restart
+        from it at the next call) and RL starts from it at step 0."""
         if steps < 1:
             raise ConfigError("steps", f"must be >= 1, got {steps}")
-        base = self.builder.topology(steps=steps, **self.settings)
-        actor_stage = next(s for s, c in base.stages.items() if "actor" in c.roles)
+        declared = self._declared()
+        base = declared.topology
         size = batch_size or base.run.step_batch
-        stages = to_dict(base)["stages"]
-        if lr is not None:
-            stages[actor_stage]["roles"]["actor"]["options"]["lr"] = lr
+        stages = dict(base.stages)
+        if lr is not None:  # other actor options than the processes have: a restart
+            name = next(s for s, c in stages.items() if "actor" in c.roles)
+            actor = stages[name].roles["actor"]
+            roles = {
+                **stages[name].roles,
+                "actor": dataclasses.replace(actor, options={**actor.options, "lr": lr}),
+            }
+            stages[name] = dataclasses.replace(stages[name], roles=roles)
+        hosts = base.role_stage()
+        apart = "rollout" in hosts and hosts["rollout"] != hosts["actor"]
         chosen = dataset if dataset is not None else self.builder.dataset
-        raw = to_dict(base) | {
-            "name": f"{base.name}-sft",
-            "run": {
-                "steps": steps,
-                "step_batch": size,
-                "micro_batch": base.run.micro_batch if size % base.run.micro_batch == 0 else size,
-            },
-            "data": {
-                "source": "sft",
-                "fields": ["prompt_ids", "prompt_mask", "response_ids", "response_mask"],
-                "options": {
-                    "source": dataset_source(chosen, self.log_dir),
-                    **self.builder.tokenizer_options(),
-                },
-            },
-            "stages": stages,
-            "dataflow": [
-                {
-                    "role": "actor",
-                    "op": "sft_update",
-                    "inputs": ["prompt_ids", "prompt_mask", "response_ids", "response_mask"],
-                    "phase": "train",
-                },
-                {"role": "actor", "op": "optimizer_step", "scope": "step", "phase": "train"},
-                {"role": "actor", "op": "reshard", "scope": "step", "phase": "reshard"},
-            ],
-            "run_dir": str(self.log_dir / "sft"),
-        }
-        topo = load_topology(raw)
+        topo = _validated(
+            dataclasses.replace(
+                base,
+                name=f"{base.name}-sft",
+                stages=stages,
+                run=RunConfig(
+                    steps=steps,
+                    step_batch=size,
+                    micro_batch=base.run.micro_batch if size % base.run.micro_batch == 0 else size,
+                ),
+                data=dataclasses.replace(
+                    base.data,
+                    source="sft",
+                    fields=_SFT_FIELDS,
+                    options={
+                        "source": dataset_source(chosen, self.log_dir),
+                        **self.builder.tokenizer_options(),
+                    },
+                ),
+                # Weights stream to a rollout in another process as after an RL step.
+                dataflow=_SFT_OPS + ((_LOAD_WEIGHTS,) if apart else ()),
+                run_dir=str(self.log_dir / "sft"),
+            )
+        )
+        plan = build_plan(topo, check_devices=True)
+        launch = plan if lr is not None else None
         cfg = ckpt.CheckpointConfig(str(self.log_dir / "sft" / "checkpoints"), 0, 1)
-        res = self._run(topo, 0, ckpt.Checkpointer(cfg, steps - 1, self._extra()), resume=False)
+        res = self._job(plan, launch, 0, ckpt.Checkpointer(cfg, steps - 1, self._extra()))
         policy = Path(res.checkpoints[-1]) / "policy"
-        self.builder.use_policy(str(policy))
+        self.builder.use_policy(str(policy))  # changes the declarations: a restart
+        self.close()
         self.step, self.state = 0, None
-        return self._result(res, topo)
+        return self._result(res, topo, declared.compiled)
 
     def run(self, prompts: Sequence[str]) -> list[dict[str, Any]]:
         """Generate one response per prompt with the current policy and score it.
@@ -210,31 +306,34 @@ class Engine:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts or not all(isinstance(p, str) and p for p in prompts):
             raise ConfigError("prompts", "give a non-empty list of non-empty prompt strings")
-        base = self.builder.topology(dataset=prompts, steps=self.step + 1, **self.settings)
-        if "reward" not in {r for c in base.stages.values() for r in c.roles}:
+        base = self._declared().topology
+        hosts = base.role_stage()
+        if "reward" not in hosts:
             raise ConfigError("run", "generate-and-score needs a reward (add_reward_*)")
-        raw = to_dict(base)
+        compiled = self._generate_step(tuple(hosts))
         n = len(prompts)
-        raw["name"] = f"{base.name}-generate"
-        raw["run"] = {"steps": self.step + 1, "step_batch": n, "micro_batch": n}
-        raw["data"]["options"]["samples_per_prompt"] = 1
-        raw["data"]["options"]["shuffle"] = False
-        raw["data"]["fields"] = [f for f in raw["data"]["fields"] if f != "group_index"]
-        keep = [op for op in raw["dataflow"] if (op["role"], op["op"]) in _GENERATE_AND_SCORE]
-        for op in keep:
-            op["inputs"] = [i for i in op["inputs"] if i != "group_index"]
-        raw["dataflow"] = keep
-        # Processes that host neither the sampler nor the reward are not started.
-        raw["stages"] = {
-            name: cfg
-            for name, cfg in raw["stages"].items()
-            if {"rollout", "reward"} & set(cfg["roles"])
-        }
-        raw["metrics"] = {"backends": ["null"]}
-        raw["run_dir"] = str(self.log_dir / "generate")
-        topo = load_topology(raw)
-        collect = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rewards")
-        res = self._run(topo, self.step, None, collect=collect)
+        topo = _validated(
+            dataclasses.replace(
+                base,
+                name=f"{base.name}-generate",
+                run=RunConfig(steps=self.step + 1, step_batch=n, micro_batch=n),
+                data=dataclasses.replace(
+                    base.data,
+                    fields=compiled.data_fields,
+                    options={
+                        **base.data.options,
+                        "source": dataset_source(prompts, self.log_dir),
+                        "samples_per_prompt": 1,
+                        "shuffle": False,
+                    },
+                ),
+                dataflow=compiled.dataflow,
+                metrics=MetricsConfig(backends=("null",)),
+                run_dir=str(self.log_dir / "generate"),
+            )
+        )
+        plan = build_plan(topo, check_devices=True)
+        res = self._job(plan, None, self.step, None, collect=_COLLECT)
         got = {k: _cat(v) for k, v in res.collected[self.step].items()}
         opts = self.builder.tokenizer_options()
         tok = load_tokenizer(opts.get("tokenizer"), opts.get("model"))
@@ -258,6 +357,29 @@ class Engine:
         return out
 
     # -- internals ------------------------------------------------------------------------
+    def _declared(self) -> _Declared:
+        """The training topology and compiled step of the builder as it is now; compiled
+        and placed again only when the builder's declarations changed."""
+        key = repr((sorted(vars(self.builder).items()), sorted(self.settings.items())))
+        if self._cache is None or self._cache.key != key:
+            compiled = self.builder.compile()
+            topo = self.builder.topology(**self.settings)
+            self._cache = _Declared(key, topo, compiled)
+        return self._cache
+
+    def _generate_step(self, roles: tuple[str, ...]) -> CompiledStep:
+        if self._generate is None or self._generate[0] != roles:
+            step = compile_step(_GENERATE_AND_SCORE, ["prompt"], ["response", "score"], roles)
+            self._generate = (roles, step)
+        return self._generate[1]
+
+    def _with_source(self, base: Topology, dataset: Any) -> Any:
+        """`base.data` reading `dataset` (None: the builder's default dataset)."""
+        if dataset is None:
+            return base.data
+        source = dataset_source(dataset, self.log_dir)
+        return dataclasses.replace(base.data, options={**base.data.options, "source": source})
+
     def _checkpointer(self, last_step: int) -> ckpt.Checkpointer:
         cfg = self.save or ckpt.CheckpointConfig(self._default_dir(), 0, 1)
         return ckpt.Checkpointer(cfg, last_step, self._extra())
@@ -266,44 +388,64 @@ class Engine:
         step = self.builder.step_spec
         return {"logic": step[2], "inputs": list(step[0]), "outputs": list(step[1])} if step else {}
 
-    def _run(
+    def _job(
         self,
-        topo: Topology,
+        plan: Plan,
+        launch: Plan | None,
         start: int,
         checkpointer: ckpt.Checkpointer | None,
         *,
         collect: Sequence[str] = (),
-        resume: bool = True,
-    ) -> Any:
-        from hybridflow.pipeline.runtime.runner import run_topology
+    ) -> RunResult:
+        """Run `plan` as a job on the processes that are up, starting them first (from
+        `launch`, else the training topology's plan) if none are up or they do not fit."""
+        from hybridflow.pipeline.runtime.runner import check_start, honour_log_level
+        from hybridflow.pipeline.runtime.session import Session
 
-        resume_dir = self.state if resume else None
-        if self.settings.get("multi_host"):  # the launcher places processes on hosts
-            self.launcher.assign_nodes(self.builder.nodes(**self.settings))
-        res = run_topology(
-            topo,
-            collect=tuple(collect),
-            launcher=self.launcher,
-            start_step=start,
-            resume_dir=resume_dir,
-            checkpointer=checkpointer,
-        )
+        check_start(plan.topology, start)
+        session = self._session
+        if session is not None and session.mismatch(plan.topology):
+            self.close()  # e.g. sft(lr=...): other actor options than the processes have
+            session = None
+        if session is None:
+            if launch is None:
+                declared = self._declared().topology
+                launch = plan if declared == plan.topology else build_plan(declared)
+            if self.settings.get("multi_host"):  # the launcher places processes on hosts
+                self.launcher.assign_nodes(self.builder.nodes(**self.settings))
+            honour_log_level(launch.topology.log_level)
+            session = Session(launch, launcher=self.launcher, resume_dir=self.state)
+            self._session = session
+        try:
+            res = session.run_job(
+                plan,
+                collect=tuple(collect),
+                start_step=start,
+                checkpointer=checkpointer,
+                driver_state=self.state,
+            )
+        except BaseException:
+            self._session = None  # the session closed itself; the next call restarts
+            raise
         if res.checkpoints:
             self.state = res.checkpoints[-1]
         return res
 
-    def _result(self, res: Any, topo: Topology) -> TrainResult:
+    def _result(self, res: RunResult, topo: Topology, compiled: CompiledStep) -> TrainResult:
         rows = [dict(m) for m in res.metrics]
         self.history += rows
         outputs: dict[str, list[float]] = {}
-        assert self.builder.step_spec is not None
-        compiled = self.builder.compile()
         for name, metric in compiled.outputs.items():
             if metric:
                 outputs[name] = [row.get(metric, math.nan) for row in rows]
         return TrainResult(
             rows, outputs, res.checkpoints[-1] if res.checkpoints else "", str(topo.run_dir)
         )
+
+
+def _validated(topo: Topology) -> Topology:
+    """A Topology made by `dataclasses.replace`, checked as if it had been loaded."""
+    return from_dict(Topology, to_dict(topo))
 
 
 def _layout(stages: Mapping[str, Any]) -> dict[str, Any]:

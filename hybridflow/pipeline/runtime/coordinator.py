@@ -1,4 +1,4 @@
-"""The coordinator: drives steps over the stage processes of one run (asyncio, one loop).
+"""The coordinator: drives the steps of one job over stage processes (asyncio, one loop).
 
 Which loop waits for what, and who unblocks it:
 
@@ -24,10 +24,15 @@ Which loop waits for what, and who unblocks it:
     checkpoint     (with a Checkpointer) after a due step finished: the scheduler holds
                    the next step (`sched.hold`), every stage process answers a control
                    Task `checkpoint_save` by writing its part, the io thread commits the
-                   directory (pipeline/checkpoint.py), the hold moves on -> wake. `done`
+                   directory (pipeline/checkpoint/store.py), the hold moves on -> wake. `done`
                    waits for the last save.
 
     run()          waits for `done` (result or error); teardown: cancel loops, gather.
+
+One Coordinator runs one job (pipeline/runtime/session.py): the first job of a session
+handshakes the stages it launched (Hello checked against the session's config hash); a
+later job gets the session's peers, already ready, and starts dispatching at once
+(after checking no process died since the last job).
 
 Invariants: the event loop never computes (data sources, driver ops, sinks run in
 threads); every wait has a bound named in its error; the first error wins and ends the
@@ -97,6 +102,8 @@ class Coordinator:
         start_step: int = 0,
         checkpointer: Checkpointer | None = None,
         resume_dir: str | None = None,
+        peers: dict[bytes, StagePeer] | None = None,
+        config_hash: str | None = None,
     ) -> None:
         self.plan = plan
         self.topo = plan.topology
@@ -114,7 +121,12 @@ class Coordinator:
         self._next_control = CONTROL_TASK_BASE
         if checkpointer is not None:
             self.sched.hold = checkpointer.next_due(start_step) + 1
-        self.peers = {p.name.encode(): StagePeer(p) for p in plan.processes}
+        # A session's processes outlive one coordinator: their handshake state (peers)
+        # and the config hash they were started with come from the session then.
+        self.peers = (
+            peers if peers is not None else {p.name.encode(): StagePeer(p) for p in plan.processes}
+        )
+        self.config_hash = config_hash or plan.config_hash
         self.metrics: list[dict[str, float]] = []
         self.tasks_done = 0
         self._drivers = {
@@ -139,11 +151,14 @@ class Coordinator:
         self._all_ready: asyncio.Future[None] = loop.create_future()
         t_launch = time.perf_counter()
         self._t_launch_mono = loop.time()
+        up = all(p.ready for p in self.peers.values())  # a session's later job
         loops = [
             self._task(self._recv_loop(), "coordinator.recv"),
             self._task(self._liveness_loop(), "coordinator.liveness"),
         ]
         try:
+            if up:
+                self._resume_peers()
             await asyncio.wait([self._all_ready, self._done], return_when=asyncio.FIRST_COMPLETED)
             if self._done.done():
                 self._done.result()  # raises the startup error
@@ -174,13 +189,29 @@ class Coordinator:
 
     async def shutdown(self, reason: str) -> None:
         """Tell every connected stage to exit. Best effort: a dead peer is skipped."""
-        for ident, peer in self.peers.items():
-            if not peer.connected:
-                continue
-            try:
-                await self.chan.send(Shutdown(reason=reason), to=ident, timeout=1.0)
-            except HybridflowError as exc:
-                log.debug("shutdown to %s not delivered: %s", peer.info.name, exc)
+        await shutdown_peers(self.chan, self.peers, reason)
+
+    def _resume_peers(self) -> None:
+        """A job on processes that are up already: no handshake, and a process that died
+        since the last job is a StageDeadError before any task goes out. Heartbeats that
+        queued up between jobs are drained by the recv loop; the silence clock restarts."""
+        now = asyncio.get_running_loop().time()
+        for peer in self.peers.values():
+            peer.last_seen = now
+        dead = check_liveness(
+            self.peers,
+            self.launcher.poll(),
+            now,
+            self.topo.liveness,
+            started_at=now,
+            all_ready=True,
+        )
+        if dead is not None:
+            peer, error = dead
+            if peer is not None:
+                self.chan.forget_peer(peer.ident, peer.pid or None)
+            raise error
+        self._all_ready.set_result(None)
 
     def _fail(self, exc: BaseException) -> None:
         if not self._done.done():
@@ -244,7 +275,7 @@ class Coordinator:
             )
             self._wake.set()
         elif isinstance(msg, Heartbeat):
-            if msg.state in ("ready", "busy") and not peer.ready:
+            if msg.state.serving and not peer.ready:
                 peer.ready = True
                 log.info("%s ready", peer.info.name)
                 if all(p.ready for p in self.peers.values()) and not self._all_ready.done():
@@ -259,10 +290,10 @@ class Coordinator:
         reason = ""
         if (hello.stage, hello.replica) != (info.stage, info.replica):
             reason = f"identity {info.name} but Hello says {hello.stage}/{hello.replica}"
-        elif hello.config_hash != self.plan.config_hash:
+        elif hello.config_hash != self.config_hash:
             reason = (
                 f"config hash {hello.config_hash} differs from the coordinator's "
-                f"{self.plan.config_hash}; every process must run the same topology"
+                f"{self.config_hash}; every process must run the same topology"
             )
         await self.chan.send(
             Welcome(run_id=self.run_id, accepted=not reason, reason=reason), to=ident
@@ -453,3 +484,14 @@ class Coordinator:
                     self.chan.forget_peer(peer.ident, peer.pid or None)
                 self._fail(error)
                 return
+
+
+async def shutdown_peers(chan: Channel, peers: dict[bytes, StagePeer], reason: str) -> None:
+    """Tell every connected stage to exit. Best effort: a dead peer is skipped."""
+    for ident, peer in peers.items():
+        if not peer.connected:
+            continue
+        try:
+            await chan.send(Shutdown(reason=reason), to=ident, timeout=1.0)
+        except HybridflowError as exc:
+            log.debug("shutdown to %s not delivered: %s", peer.info.name, exc)

@@ -100,6 +100,7 @@ class NativeRollout(RolloutState, RoleBase):
         path = options_path(ctx)
         opts = from_dict(NativeRolloutOptions, dict(ctx.options), path)
         self.opts = opts
+        self.device = ctx.device
         self.seed = ctx.seed if opts.seed is None else opts.seed
         self.tokenizer, model = build_model(ctx, opts, "causal_lm")
         model.requires_grad_(False)
@@ -198,6 +199,8 @@ class NativeRollout(RolloutState, RoleBase):
         tokens = int(out.lengths.sum())
         metrics = self._generate_metrics(gen_s, tokens, int(out.lengths.numel()))
         metrics["rollout/concurrent_calls"] = float(shared)  # this call and those in flight
+        if self.device.type == "cuda":  # the process's peak (colocated actor included)
+            metrics["rollout/peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / GIB
         return result, metrics
 
     @op(scope=Scope.STEP)

@@ -1,0 +1,113 @@
+"""An Engine keeps its stage processes between calls (real processes, tiny models, CPU).
+
+Two `train` calls run on the same processes and the second continues the first exactly
+(as one uninterrupted call would); `run` after `train` samples the trained policy (the
+same responses as processes restored from the checkpoint); `close()`, a `with` block
+and a forgotten Engine leave no process, shared memory or ipc directory; a stage that
+dies between calls is a named error at the next call, which then restarts cleanly.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from engine_job import builder
+
+from hybridflow.errors import StageDeadError
+
+TIMING = ("timing/", "compute/", "perf/", "rollout/gen_s", "rollout/tokens_per_s", "reward/fn_s")
+PROMPTS = ["last:123=", "last:4567=", "last:98="]
+
+
+def _helpers():
+    path = Path(__file__).resolve().parents[1] / "pipeline" / "pipeline_helpers.py"
+    spec = importlib.util.spec_from_file_location("api_pipeline_helpers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+leftovers = _helpers().leftovers
+
+
+def clean(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def test_calls_reuse_processes_continue_training_and_run_samples_the_trained_policy(tmp_path):
+    with builder().build(metrics_backend="null", log_dir=tmp_path / "a") as engine:
+        assert engine.pids() == {}  # nothing starts before the first call
+        first = engine.train("last_digit", steps=1)
+        pids, run_id = engine.pids(), engine.run_id
+        assert set(pids) == {"engine/0", "reward/0"}
+        second = engine.train("last_digit", steps=1)
+        assert engine.pids() == pids  # same processes, models loaded once
+        rows = first.metrics + second.metrics
+        assert [r["step"] for r in rows] == [0, 1]
+        assert [r["actor/policy_version"] for r in rows] == [1.0, 2.0]
+        generated = engine.run(PROMPTS)
+        assert engine.pids() == pids and engine.step == 2
+        state = engine.state
+    assert run_id is not None and leftovers(run_id, pids) == []
+    assert engine.pids() == {}
+
+    # One uninterrupted call logs what the two calls logged.
+    with builder().build(metrics_backend="null", log_dir=tmp_path / "b") as whole:
+        assert clean(whole.train("last_digit", steps=2).metrics) == clean(rows)
+
+    # Processes restored from the checkpoint of the two calls sample what `run` sampled
+    # on the processes that trained: it used the trained weights.
+    with builder().build(metrics_backend="null", log_dir=tmp_path / "c") as restored:
+        restored.resume(state)
+        assert restored.run(PROMPTS) == generated
+    assert [g["prompt"] for g in generated] == PROMPTS
+
+
+def test_close_and_with_block_leave_nothing_and_close_is_not_the_end(tmp_path):
+    with builder().build(metrics_backend="null", log_dir=tmp_path) as engine:
+        engine.train("last_digit", steps=1)
+        pids, run_id = engine.pids(), engine.run_id
+        engine.close()
+        engine.close()  # idempotent
+        assert engine.pids() == {} and leftovers(run_id, pids) == []
+        # A later call starts processes again, from the state the first call left.
+        again = engine.train("last_digit", steps=1)
+        assert [r["step"] for r in again.metrics] == [1]
+        assert again.metrics[0]["actor/policy_version"] == 2.0
+        pids2, run_id2 = engine.pids(), engine.run_id
+        assert set(pids2.values()).isdisjoint(pids.values())
+    assert leftovers(run_id2, pids2) == []
+
+
+def test_an_engine_dropped_without_close_leaves_no_process(tmp_path):
+    engine = builder().build(metrics_backend="null", log_dir=tmp_path)
+    engine.train("last_digit", steps=1)
+    pids, run_id = engine.pids(), engine.run_id
+    assert all(os.path.exists(f"/proc/{pid}") for pid in pids.values())
+    del engine
+    gc.collect()
+    assert leftovers(run_id, pids) == []
+
+
+def test_a_stage_dead_between_calls_is_a_named_error_then_a_clean_restart(tmp_path):
+    with builder().build(metrics_backend="null", log_dir=tmp_path) as engine:
+        engine.train("last_digit", steps=1)
+        pids, run_id = engine.pids(), engine.run_id
+        os.kill(pids["reward/0"], signal.SIGKILL)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(StageDeadError, match=r"stage reward replica 0 \(pid \d+\) was killed"):
+            engine.train("last_digit", steps=1)
+        assert time.monotonic() - t0 < 30  # no hang
+        assert engine.step == 1 and engine.pids() == {}  # unchanged; processes stopped
+        assert leftovers(run_id, pids) == []
+        resumed = engine.train("last_digit", steps=1)  # restarts from the last checkpoint
+        assert [r["step"] for r in resumed.metrics] == [1]
+        assert resumed.metrics[0]["actor/policy_version"] == 2.0
