@@ -33,7 +33,6 @@ Compare within one run, not across runs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -55,6 +54,7 @@ from hybridflow.pipeline.runtime.runner import run_topology
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.base import StageContext
 from hybridflow.stages.rollout.hf import HFRollout
+from hybridflow.transport import aio
 
 BUCKET_MB = 64.0  # the actor's default weight_bucket_mb
 THREADS = 1  # torch threads in every process of the bench (module docstring)
@@ -193,7 +193,7 @@ def _shapes_size(preset: str, reps: int) -> dict[str, Any]:
         **_rate("copy", _copy_s(list(tensors.values()), reps), nbytes),
         "colocated_s": None,
     }
-    times = asyncio.run(_send_versions(tensors, shapes, reps + 1))
+    times = aio.run(_send_versions(tensors, shapes, reps + 1))
     out.update(_rate("disaggregated", min(times[1:]), nbytes))
     out["disaggregated_first_s"] = round(times[0], 6)
     out["bytes_moved"] = nbytes
@@ -334,4 +334,4 @@ def _rate(name: str, seconds: float, nbytes: int) -> dict[str, float]:
 
 
 if __name__ == "__main__":  # the receiving process of the "shapes" mode
-    asyncio.run(_receive(json.loads(sys.stdin.read())))
+    aio.run(_receive(json.loads(sys.stdin.read())))

@@ -19,6 +19,7 @@ Every error is a `ConfigError` whose path is the dotted key and whose text says 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,26 @@ def _positive(value: float, path: str) -> None:
     _require(value > 0, path, f"must be > 0, got {value}")
 
 
+def _at_most(value: float, high: float, path: str, why: str) -> None:
+    _require(value <= high, path, f"must be <= {high}, got {value} ({why})")
+
+
+def _finite_positive(value: float, path: str) -> None:
+    _require(
+        0 < value < math.inf, path, f"must be a finite number of seconds > 0, got {value}"
+    )
+
+
+# Upper bounds on sizes the runtime allocates for (a step's samples, its micro-batch
+# table, queues): a typo such as `step_batch: 1000000000000` must fail at validate, not
+# grow the coordinator's memory until the machine swaps.
+MAX_STEP_BATCH = 1 << 20  # samples per step
+MAX_MICRO_BATCHES = 1 << 16  # micro-batches per step (step_batch / micro_batch)
+MAX_INFLIGHT = 1024  # tasks queued or running per stage replica
+MAX_HWM = 1 << 16  # messages queued per socket
+MAX_OFFPOLICY_STEPS = 1024  # steps in flight at once
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """How long and how wide a run is, and how much the steps may overlap."""
@@ -77,6 +98,24 @@ class RunConfig:
         for key in ("steps", "step_batch", "micro_batch", "max_inflight"):
             _at_least(getattr(self, key), 1, _join(path, key))
         _at_least(self.max_offpolicy_steps, 0, _join(path, "max_offpolicy_steps"))
+        _at_most(
+            self.step_batch, MAX_STEP_BATCH, _join(path, "step_batch"), "samples held per step"
+        )
+        _at_most(
+            self.max_inflight, MAX_INFLIGHT, _join(path, "max_inflight"), "tasks per replica"
+        )
+        _at_most(
+            self.step_batch // self.micro_batch,
+            MAX_MICRO_BATCHES,
+            _join(path, "micro_batch"),
+            "micro-batches per step = run.step_batch / run.micro_batch; raise micro_batch",
+        )
+        _at_most(
+            self.max_offpolicy_steps,
+            MAX_OFFPOLICY_STEPS,
+            _join(path, "max_offpolicy_steps"),
+            "steps in flight at once, each holding its samples",
+        )
         if self.step_batch % self.micro_batch:
             divisors = [d for d in range(1, self.step_batch + 1) if self.step_batch % d == 0]
             raise ConfigError(
@@ -172,6 +211,8 @@ class OpConfig:
     (the step barrier); it receives micro-batch values concatenated along dim 0 in mb
     order, and micro-batch ops that consume its outputs get them sliced per micro-batch.
     `phase` names the op in `timing/<phase>` metrics and groups ops for sequential mode.
+    `timeout_s` bounds one task of this op (default `liveness.task_timeout_s`): a task not
+    answered within it ends the run with an error naming stage, op, step and this key.
     """
 
     role: str
@@ -181,6 +222,7 @@ class OpConfig:
     scope: Literal["micro_batch", "step"] = "micro_batch"
     phase: str = ""  # default: the op's name
     params: dict[str, Any] = field(default_factory=dict)  # scalars, passed in Task.params
+    timeout_s: float | None = None  # None: liveness.task_timeout_s
 
     @property
     def phase_name(self) -> str:
@@ -196,6 +238,8 @@ class OpConfig:
             _join(path, "op"),
             f"{self.op!r} is not a valid op name (letters, digits, _)",
         )
+        if self.timeout_s is not None:
+            _finite_positive(self.timeout_s, _join(path, "timeout_s"))
         for key in ("inputs", "outputs"):
             names = getattr(self, key)
             for i, name in enumerate(names):
@@ -221,9 +265,24 @@ class LivenessConfig:
     heartbeat_timeout_s: float = 10.0  # silence longer than this = the stage is dead
     startup_timeout_s: float = 120.0  # handshake + role setup (model loading) of every stage
     shutdown_timeout_s: float = 5.0  # graceful exit before SIGTERM, then SIGKILL
+    # A control call (checkpoint save) answered by every stage process within this bound;
+    # the stages keep heartbeating meanwhile, so this bounds slow storage, not death.
+    control_timeout_s: float = 600.0
+    # One task of a stage (or a driver op) answered within this bound, counted from when
+    # the stage reports it started (its heartbeats list the tasks running), or from when
+    # the coordinator started a driver op. An hour by default: generating long responses
+    # with a big model may take many minutes; set `timeout_s` on a dataflow op to bound
+    # quick ops (a reward function) tighter.
+    task_timeout_s: float = 3600.0
 
     def validate(self, path: str) -> None:
-        for key in ("heartbeat_interval_s", "startup_timeout_s", "shutdown_timeout_s"):
+        _finite_positive(self.task_timeout_s, _join(path, "task_timeout_s"))
+        for key in (
+            "heartbeat_interval_s",
+            "startup_timeout_s",
+            "shutdown_timeout_s",
+            "control_timeout_s",
+        ):
             _positive(getattr(self, key), _join(path, key))
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
@@ -243,6 +302,7 @@ class TransportConfig:
 
     def validate(self, path: str) -> None:
         _at_least(self.hwm, 1, _join(path, "hwm"))
+        _at_most(self.hwm, MAX_HWM, _join(path, "hwm"), "messages queued per socket")
         _at_least(self.shm_threshold, 0, _join(path, "shm_threshold"))
 
 

@@ -35,6 +35,7 @@ from typing import Literal
 from hybridflow.errors import ConfigError
 from hybridflow.reward.app import RewardApp, RewardFn
 from hybridflow.reward.schema import DEFAULT_MAX_BODY_BYTES
+from hybridflow.transport import aio
 
 log = logging.getLogger("hybridflow.reward.server")
 
@@ -146,7 +147,7 @@ def serve(
                 loop.remove_signal_handler(sig)
             await server.aclose()
 
-    asyncio.run(main())
+    aio.run(main())
 
 
 def load_function(target: str) -> RewardFn:

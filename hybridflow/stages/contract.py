@@ -40,7 +40,6 @@ its bases.
 
 from __future__ import annotations
 
-import asyncio
 import difflib
 import enum
 import functools
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from hybridflow.errors import BatchError, ConfigError
+from hybridflow.transport import aio
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -177,7 +177,7 @@ class RoleBase:
         await `bound_op(spec)(batch, params)` instead."""
         spec = self.op_spec(op_name)
         fn = self.bound_op(spec)
-        return asyncio.run(fn(batch, params)) if spec.concurrent else fn(batch, params)
+        return aio.run(fn(batch, params)) if spec.concurrent else fn(batch, params)
 
     # -- life cycle (override as needed) ------------------------------------------------
     def setup(self, ctx: Any) -> None:
@@ -185,6 +185,10 @@ class RoleBase:
 
     def close(self) -> None:
         """Free models/engines. Called once at shutdown, even after errors."""
+
+    async def aclose(self) -> None:
+        """Release what lives on the stage's event loop (HTTP sessions, sockets opened by
+        concurrent ops). The host awaits it on that loop just before `close`."""
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume (weights, optimizer, RNG); {} if stateless."""

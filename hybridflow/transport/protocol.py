@@ -26,7 +26,7 @@ import msgspec
 
 from hybridflow.errors import ProtocolError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: Heartbeat reports running/queued tasks
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: headers are descriptors and small metadata only
 MAX_FRAMES = 4096
 
@@ -91,6 +91,8 @@ class Kind(enum.IntEnum):
     PING = 9
     PONG = 10
     WEIGHTS = 11
+    CONTROL = 12
+    CONTROL_DONE = 13
 
 
 # ---------------------------------------------------------------------------------------
@@ -189,13 +191,28 @@ class Welcome(Msg, frozen=True):
     reason: str = ""
 
 
+# Task ids a heartbeat lists: a stage holds at most run.max_inflight (<= 1024) tasks.
+TaskIds = Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_FRAMES)]
+
+
 class Heartbeat(Msg, frozen=True):
+    """Stage -> coordinator every liveness.heartbeat_interval_s, from the stage's event
+    loop. Besides "alive", it reports progress, so that a stuck worker thread (a deadlocked
+    reward function) is caught by the task's deadline instead of looking alive forever:
+    `running` tasks started and not answered (the coordinator's deadline clock of a task
+    starts when it first sees it here), `queued` tasks received and not started (a task in
+    neither list was never received: lost), `worker_busy_s` seconds since the worker
+    thread last finished something while it is busy (0 when idle)."""
+
     KIND: ClassVar[Kind] = Kind.HEARTBEAT
     stage: Ident
     replica: NonNeg
     seq: NonNeg
     state: StageState = StageState.READY
     pid: NonNeg = 0  # lets a survivor sweep the dead peer's shared memory (shm.sweep_pid)
+    running: TaskIds = []
+    queued: TaskIds = []
+    worker_busy_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class Task(Msg, frozen=True):
@@ -286,6 +303,41 @@ class Weights(Msg, frozen=True):
     last: bool
 
 
+# Control calls: what the coordinator asks of a stage PROCESS (not of a role's dataflow op),
+# with typed arguments. Each kind of call is one tagged struct; the tag names the call. A
+# stage runs a control call as a barrier (after every earlier task, before any later one)
+# and answers ControlDone, or Failure (task_id = control_id, op = the tag) if it raised.
+# Control ids are their own sequence: the scheduler's task ids never meet them.
+
+
+class CheckpointSave(
+    msgspec.Struct, tag="checkpoint_save", frozen=True, forbid_unknown_fields=True
+):
+    """Write every role's state_dict and the process RNG under `dir` (stage/replica
+    subdirectory); with `export`, the actor also writes a HF `save_pretrained` there."""
+
+    dir: str
+    export: str = ""
+
+
+ControlArgs = CheckpointSave  # a Union of tagged structs as control calls are added
+
+
+class Control(Msg, frozen=True):
+    KIND: ClassVar[Kind] = Kind.CONTROL
+    run_id: Ident
+    control_id: NonNeg
+    step: NonNeg
+    call: ControlArgs
+
+
+class ControlDone(Msg, frozen=True):
+    KIND: ClassVar[Kind] = Kind.CONTROL_DONE
+    run_id: Ident
+    control_id: NonNeg
+    metrics: dict[Ident, float] = {}
+
+
 MESSAGE_TYPES: dict[Kind, type[Msg]] = {
     cls.KIND: cls
     for cls in (
@@ -300,6 +352,8 @@ MESSAGE_TYPES: dict[Kind, type[Msg]] = {
         Ping,
         Pong,
         Weights,
+        Control,
+        ControlDone,
     )
 }
 

@@ -68,6 +68,13 @@ SAMPLES: dict[Kind, protocol.Msg] = {
     Kind.PING: protocol.Ping(seq=1, t_ns=123),
     Kind.PONG: protocol.Pong(seq=1, t_ns=123),
     Kind.WEIGHTS: protocol.Weights(policy_version=4, bucket=2, last=True),
+    Kind.CONTROL: protocol.Control(
+        run_id="r1",
+        control_id=3,
+        step=9,
+        call=protocol.CheckpointSave(dir="/tmp/ck/step-9.tmp", export=""),
+    ),
+    Kind.CONTROL_DONE: protocol.ControlDone(run_id="r1", control_id=3, metrics={"ckpt/s": 0.5}),
 }
 
 DESCS = [
@@ -192,3 +199,20 @@ def test_descriptors_are_validated() -> None:
     _bad(with_desc({**frame, "where": {**shm, "name": "other-segment"}}), "hybridflow-")
     _bad(with_desc({**frame, "where": {**shm, "name": "hybridflow-x", "offset": 4}}), "runs past")
     _bad(with_desc({**frame, "where": {"type": "pickle", "data": b"..."}}), "invalid header")
+
+
+def test_control_calls_are_typed_and_states_are_an_enum() -> None:
+    """A control call's arguments are a tagged struct (an unknown call or argument is a
+    malformed message), and a heartbeat's state outside StageState is rejected."""
+    kind, header = protocol.encode(SAMPLES[Kind.CONTROL])
+    env = msgspec.msgpack.decode(header)
+    env[1]["call"]["type"] = "format_disk"
+    _bad([kind, msgspec.msgpack.encode(env)], "CONTROL: invalid header")
+    env[1]["call"] = {"type": "checkpoint_save", "dir": "/x", "rm_rf": True}
+    _bad([kind, msgspec.msgpack.encode(env)], "CONTROL: invalid header")
+    kind, header = protocol.encode(SAMPLES[Kind.HEARTBEAT])
+    env = msgspec.msgpack.decode(header)
+    env[1]["state"] = "sleeping"
+    _bad([kind, msgspec.msgpack.encode(env)], "HEARTBEAT: invalid header")
+    body, _, _ = protocol.decode(list(protocol.encode(SAMPLES[Kind.HEARTBEAT])))
+    assert body.state is protocol.StageState.BUSY

@@ -54,7 +54,6 @@ from hybridflow.errors import ConfigError, PipelineError
 log = logging.getLogger("hybridflow.checkpoint")
 
 FORMAT = 1
-SAVE_OP = "checkpoint_save"  # control op a stage process answers itself (never a role)
 _PREFIX = "step-"
 _TMP = ".tmp-"
 

@@ -13,7 +13,7 @@ Concurrency: the asyncio loop owns the socket (receive, heartbeat, send). Role c
 plain ops runs in ONE worker thread (one at a time, in order: roles need no locks), so
 heartbeats keep flowing while a role computes; ops declared `concurrent` are coroutines
 awaited on the loop, several at once (a rollout engine batching micro-batches, a reward
-service awaiting HTTP). A step op or a control op (checkpoint, weight sync) is a barrier
+service awaiting HTTP). A step op, a weight-sync op or a `Control` call is a barrier
 for the process. A task that raises becomes a `Failure` message carrying the traceback
 text; the process keeps serving until the coordinator says Shutdown.
 
@@ -27,8 +27,8 @@ in-process hand-off); they are all constructed before any `setup`, in config ord
 
 Seeds: before any role exists, the process's global RNGs (torch, Python, NumPy) are
 seeded from (run seed, stage, replica), so code that draws from them is reproducible.
-Checkpoints (pipeline/checkpoint/store.py): the control op `checkpoint_save` is answered by
-the process itself (every role's state_dict + RNG written to the given directory); a
+Checkpoints (pipeline/checkpoint/store.py): the control call `CheckpointSave` (a `Control`
+message, never a role's Task) is answered by the process itself (every role's state_dict + RNG written to the given directory); a
 payload with `resume_dir` restores roles and RNG right after setup. Log lines carry
 stage/replica and the step of the task being run.
 Disaggregated reshard (pipeline/host/weight_sync.py): when the topology links an actor's
@@ -65,9 +65,13 @@ from hybridflow.pipeline.host.weight_sync import StageWeightSync
 from hybridflow.stages import StageContext, create_role
 from hybridflow.stages.base import Role
 from hybridflow.stages.contract import OpSpec, Scope
+from hybridflow.transport import aio
 from hybridflow.transport.channel import Channel, Received
 from hybridflow.transport.liveness import Heartbeater
 from hybridflow.transport.protocol import (
+    CheckpointSave,
+    Control,
+    ControlDone,
     Failure,
     Hello,
     Msg,
@@ -102,7 +106,7 @@ def main(payload: dict[str, Any]) -> int:
         handler.addFilter(_add_step)
     checkpoint.seed_process(checkpoint.derive_seed(topo.seed, stage, replica))
     proc = StageProcess(topo, stage, replica, payload)
-    code = asyncio.run(proc.run())
+    code = aio.run(proc.run())
     if proc.worker_stuck:
         # The launcher's bootstrap leaves with os._exit, so a stuck worker thread does not
         # keep the process alive; say that it was abandoned.
@@ -290,7 +294,7 @@ class StageProcess:
         try:
             while True:
                 rx = await self.chan.recv()
-                if isinstance(rx.msg, Task):
+                if isinstance(rx.msg, (Task, Control)):
                     self._queue.put_nowait(rx)
                 elif isinstance(rx.msg, Shutdown):
                     log.info("shutdown: %s", rx.msg.reason or "requested")
@@ -304,12 +308,16 @@ class StageProcess:
         """Start tasks in arrival order under the contract's rules (stages/contract.py):
         concurrent ops run as coroutines side by side; other ops queue for the one worker
         thread (FIFO, so in order); a micro-batch op waits for its role's in-flight
-        concurrent ops; a step op or a control op waits for everything before it, and
+        concurrent ops; a step op or a Control call waits for everything before it, and
         nothing after it starts until it ends."""
         inflight: dict[asyncio.Task[None], tuple[str, bool]] = {}  # task -> (role, concurrent)
         try:
             while True:
                 rx = await self._queue.get()
+                if isinstance(rx.msg, Control):  # a barrier of the process
+                    await self._drain(inflight)
+                    await self._run_control(rx.msg)
+                    continue
                 task: Task = rx.msg  # type: ignore[assignment]
                 spec, barrier = self._classify(task)
                 if barrier:
@@ -345,9 +353,7 @@ class StageProcess:
             await asyncio.gather(*waiting)  # _run_task reports its own errors
 
     def _classify(self, task: Task) -> tuple[OpSpec | None, bool]:
-        """-> (the op's declaration, None for control ops; whether it is a barrier)."""
-        if task.op == checkpoint.SAVE_OP:
-            return None, True
+        """-> (the op's declaration, None for weight-sync ops; whether it is a barrier)."""
         if self.weight_sync is not None and self.weight_sync.handles(task):
             return None, True
         role = self.roles.get(task.role)
@@ -369,20 +375,7 @@ class StageProcess:
         _current_step = str(task.step)
         self._running += 1
         try:
-            if task.op == checkpoint.SAVE_OP:  # a control op of the process, not a role's
-                outputs, metrics = (
-                    {},
-                    await self._in_worker(
-                        checkpoint.save_stage,
-                        self.roles,
-                        self.kinds,
-                        Path(str(params["dir"])),
-                        self.stage,
-                        self.replica,
-                        str(params.get("export") or ""),
-                    ),
-                )
-            elif role is None:
+            if role is None:
                 raise KeyError(f"role {task.role!r} is not hosted here (have {list(self.roles)})")
             elif self.weight_sync is not None and self.weight_sync.handles(task):
                 # Disaggregated reshard: weights stream stage to stage, not via the role.
@@ -411,6 +404,44 @@ class StageProcess:
             await self._send(result, outputs)
         except Exception as exc:
             await self._report(task, exc)
+        finally:
+            self._running -= 1
+
+    async def _run_control(self, msg: Control) -> None:
+        """A control call of the coordinator (typed arguments, protocol.py): answered with
+        ControlDone, or Failure naming the call."""
+        global _current_step
+        _current_step = str(msg.step)
+        call = msg.call
+        self._running += 1
+        try:
+            if isinstance(call, CheckpointSave):
+                metrics = await self._in_worker(
+                    checkpoint.save_stage,
+                    self.roles,
+                    self.kinds,
+                    Path(call.dir),
+                    self.stage,
+                    self.replica,
+                    call.export,
+                )
+            else:  # pragma: no cover - decoding admits only the calls above
+                raise TypeError(f"unknown control call {type(call).__name__}")
+            done = ControlDone(
+                run_id=msg.run_id,
+                control_id=msg.control_id,
+                metrics={str(k): float(v) for k, v in metrics.items()},
+            )
+            await self._send(done)
+        except Exception as exc:
+            name = type(call).__struct_config__.tag
+            log.error("control call %s failed: %r", name, exc)
+            failure = self._failure(msg.control_id, msg.step, -1, "", str(name), exc)
+            try:
+                await self._send(failure)
+            except HybridflowError as send_exc:
+                log.error("cannot send to the coordinator, stopping: %s", send_exc)
+                self._stop.set()
         finally:
             self._running -= 1
 
@@ -472,6 +503,9 @@ class StageProcess:
         timeout = self.topo.liveness.shutdown_timeout_s
         for name, role in self.roles.items():
             try:
+                aclose = getattr(role, "aclose", None)
+                if aclose is not None:  # what lives on this loop goes first, on this loop
+                    await asyncio.wait_for(aclose(), timeout)
                 await asyncio.wait_for(self._in_worker(role.close), timeout)
             except TimeoutError:
                 self.worker_stuck = True

@@ -19,12 +19,13 @@ Which loop waits for what, and who unblocks it:
     liveness loop  every tick: launcher.poll() (a process exited -> StageDeadError) and
                    heartbeat ages (> liveness.heartbeat_timeout_s -> StageDeadError);
                    before all stages are ready, liveness.startup_timeout_s bounds setup
-                   (rules and messages: pipeline/peers.py).
+                   (rules and messages: pipeline/runtime/peers.py).
 
     checkpoint     (with a Checkpointer) after a due step finished: the scheduler holds
-                   the next step (`sched.hold`), every stage process answers a control
-                   Task `checkpoint_save` by writing its part, the io thread commits the
-                   directory (pipeline/checkpoint/store.py), the hold moves on -> wake. `done`
+                   the next step (`sched.hold`), every stage process answers a `Control`
+                   call `CheckpointSave` (ControlDone within liveness.control_timeout_s)
+                   by writing its part, the io thread commits the directory
+                   (pipeline/checkpoint/store.py), the hold moves on -> wake. `done`
                    waits for the last save.
 
     run()          waits for `done` (result or error); teardown: cancel loops, gather.
@@ -58,7 +59,7 @@ from hybridflow.errors import (
     PipelineError,
     StageError,
 )
-from hybridflow.pipeline.checkpoint.store import SAVE_OP, Checkpointer, load_drivers, save_drivers
+from hybridflow.pipeline.checkpoint.store import Checkpointer, load_drivers, save_drivers
 from hybridflow.pipeline.compiler.plan import Plan
 from hybridflow.pipeline.driver.registry import resolve_driver_op
 from hybridflow.pipeline.observe.metrics import MetricsSink
@@ -67,11 +68,20 @@ from hybridflow.pipeline.runtime.peers import StagePeer, check_liveness
 from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Dispatch, Event, Scheduler
 from hybridflow.pipeline.sources.registry import DataSource
 from hybridflow.transport.channel import Channel, Received
-from hybridflow.transport.protocol import Failure, Heartbeat, Hello, Result, Shutdown, Task, Welcome
+from hybridflow.transport.protocol import (
+    CheckpointSave,
+    Control,
+    ControlDone,
+    Failure,
+    Heartbeat,
+    Hello,
+    Result,
+    Shutdown,
+    Task,
+    Welcome,
+)
 
 log = logging.getLogger("hybridflow.coordinator")
-
-CONTROL_TASK_BASE = 1 << 40  # task ids of control tasks (checkpoints): never a scheduler id
 
 
 @dataclass
@@ -118,7 +128,7 @@ class Coordinator:
         self.checkpoints: list[str] = []  # directories committed by this run
         self._saving = 0  # checkpoints in progress
         self._control: dict[int, asyncio.Future[None]] = {}
-        self._next_control = CONTROL_TASK_BASE
+        self._next_control = 0  # Control calls have ids of their own (protocol.py)
         if checkpointer is not None:
             self.sched.hold = checkpointer.next_due(start_step) + 1
         # A session's processes outlive one coordinator: their handshake state (peers)
@@ -257,12 +267,6 @@ class Coordinator:
             if msg.run_id != self.run_id:
                 log.warning("result of run %s dropped (this run is %s)", msg.run_id, self.run_id)
                 return
-            waiter = self._control.pop(msg.task_id, None)
-            if waiter is not None:  # a control task (checkpoint), not the scheduler's
-                peer.answered(msg.task_id)
-                if not waiter.done():
-                    waiter.set_result(None)
-                return
             self.tasks_done += 1
             peer.answered(msg.task_id)
             compute_s = msg.info.get("compute_s", 0.0)
@@ -274,6 +278,14 @@ class Coordinator:
                 float(compute_s) if isinstance(compute_s, (int, float)) else 0.0,
             )
             self._wake.set()
+        elif isinstance(msg, ControlDone):
+            waiter = self._control.pop(msg.control_id, None)
+            if msg.run_id != self.run_id or waiter is None:
+                log.warning("answer to unknown control call %d dropped", msg.control_id)
+                return
+            peer.answered(-1 - msg.control_id)
+            if not waiter.done():
+                waiter.set_result(None)
         elif isinstance(msg, Heartbeat):
             if msg.state.serving and not peer.ready:
                 peer.ready = True
@@ -428,27 +440,27 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         tmp = await loop.run_in_executor(self._io, ck.begin, step)
         final = step == ck.last_step and ck.cfg.export_final
-        params = {"dir": str(tmp), "export": str(tmp / "policy") if final else ""}
         waits = []
+        call = CheckpointSave(dir=str(tmp), export=str(tmp / "policy") if final else "")
         for ident, peer in self.peers.items():
-            task_id = self._next_control
+            control_id = self._next_control
             self._next_control += 1
             fut: asyncio.Future[None] = loop.create_future()
-            self._control[task_id] = fut
+            self._control[control_id] = fut
             waits.append(fut)
-            task = Task(
-                run_id=self.run_id,
-                task_id=task_id,
-                step=step,
-                mb_id=-1,
-                policy_version=self.sched.policy_version,
-                role=peer.info.roles[0],
-                op=SAVE_OP,
-                params=params,
-            )
-            peer.given(task_id, (SAVE_OP, step, -1))
-            await self.chan.send(task, to=ident)
-        await asyncio.gather(*waits)
+            msg = Control(run_id=self.run_id, control_id=control_id, step=step, call=call)
+            peer.given(-1 - control_id, ("checkpoint_save", step, -1))
+            await self.chan.send(msg, to=ident)
+        timeout = self.topo.liveness.control_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), timeout)
+        except TimeoutError:
+            late = [p.info.name for p in self.peers.values() if any(k < 0 for k in p.inflight)]
+            raise PipelineError(
+                f"checkpoint after step {step}: no answer from {', '.join(late) or 'a stage'} "
+                f"within liveness.control_timeout_s = {timeout:g} s (raise it for big models "
+                "or slow storage)"
+            ) from None
         # The next step is held: no driver op runs while its state is written.
         await loop.run_in_executor(self._io, save_drivers, self._drivers, tmp)
         meta = ck.meta(step, self.plan.topology, self.sched.policy_version)

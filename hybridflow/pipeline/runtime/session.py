@@ -48,7 +48,7 @@ import tempfile
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +65,7 @@ from hybridflow.pipeline.runtime.coordinator import Coordinator, RunResult, shut
 from hybridflow.pipeline.runtime.launcher import Launcher, LocalLauncher, ProcessExit, ProcessSpec
 from hybridflow.pipeline.runtime.peers import StagePeer
 from hybridflow.pipeline.sources.registry import create_source
-from hybridflow.transport import shm
+from hybridflow.transport import aio, shm
 from hybridflow.transport.channel import Channel
 
 log = logging.getLogger("hybridflow.session")
@@ -142,7 +142,7 @@ class Session:
         self._live = _Live(
             run_id=self.run_id,
             launcher=launcher or LocalLauncher(),
-            runner=asyncio.Runner(loop_factory=_loop_factory()),
+            runner=asyncio.Runner(loop_factory=aio.loop_factory()),
             ipc_dir=_ipc_dir(self.topo, self.run_id),
             shutdown_timeout_s=self.topo.liveness.shutdown_timeout_s,
             peers={p.name.encode(): StagePeer(p) for p in plan.processes},
@@ -359,14 +359,6 @@ def _ipc_dir(topo: Topology, run_id: str) -> str | None:
     if base:
         Path(base).mkdir(parents=True, exist_ok=True)
     return tempfile.mkdtemp(prefix=f"hf-{run_id[:8]}-", dir=base)
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def _no_running_loop() -> bool:

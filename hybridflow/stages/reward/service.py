@@ -49,6 +49,7 @@ from hybridflow.reward.schema import Item
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import options_path
 from hybridflow.stages.contract import RoleBase, op
+from hybridflow.transport import aio
 
 _NOT_METADATA = (
     "prompt_ids",
@@ -127,7 +128,7 @@ class _LoopThread:
     """An asyncio loop in a daemon thread; `run(coro)` blocks the caller until it is done."""
 
     def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = aio.loop_factory()()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
