@@ -1,5 +1,7 @@
-"""`hybridflow bench rollout --json [--quick]`: generated tokens per second of the `hf` and
-`vllm` rollout backends on the same prompts, weights and sampling settings.
+"""`hybridflow bench rollout --json [--quick]`: generated tokens per second of the `hf`,
+`native` and `vllm` rollout backends on the same prompts, weights and sampling settings;
+for `native` also tok/s by concurrency (the prompts split into k micro-batches whose
+`generate` calls are in flight together, as the rollout stage runs them).
 
 Both backends are set up as a rollout stage sets them up (same preset, same seed, so the
 same initial weights) in this process, and run the `generate` op on one batch of prompts:
@@ -19,6 +21,7 @@ shorter samples. Wall-clock on a shared machine: compare within one run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import statistics
 import sys
@@ -43,6 +46,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"bench": "rollout", "quick": quick, **settings}
     with tempfile.TemporaryDirectory(prefix="hf-bench-rollout-") as run_dir:
         out["hf"] = _measure("hf", settings, prompts, Path(run_dir))
+        out["native"] = _measure("native", settings, prompts, Path(run_dir))
+        out["native_over_hf"] = round(out["native"]["tokens_per_s"] / out["hf"]["tokens_per_s"], 3)
         if vllm_available():
             # vLLM logs to stdout; the bench's stdout is its JSON.
             with contextlib.redirect_stdout(sys.stderr):
@@ -63,6 +68,7 @@ def _settings(args: argparse.Namespace, quick: bool) -> dict[str, Any]:
         "temperature": 1.0,
         "top_p": 1.0,
         "reps": 2 if quick else 3,
+        "device": "cpu",
     }
     # `--set key=value` overrides one of these (e.g. --set model=tiny-vllm --set prompts=64).
     for item in getattr(args, "overrides", []) or []:
@@ -116,12 +122,16 @@ def _measure(
     }
     if backend == "vllm":
         options["max_model_len"] = s["prompt_len"] + s["max_new_tokens"] + 8
+    if backend == "native":
+        options["max_prompt_len"] = s["prompt_len"]
+        options["max_num_seqs"] = max(1, s["prompts"])
+        options["kv_cache_gb"] = 1.0
     t0 = time.perf_counter()
     role.setup(
         StageContext(
             stage=f"bench-{backend}",
             replica=0,
-            device=torch.device("cpu"),
+            device=torch.device(s["device"]),
             seed=SEED,
             run_dir=run_dir / backend,
             options=options,
@@ -138,11 +148,38 @@ def _measure(
             if rep:  # the first call warms caches up
                 rates.append(tokens / dt)
                 seconds.append(dt)
+        concurrency = _by_concurrency(role, prompts) if backend == "native" else None
     finally:
         role.close()
-    return {
+    result: dict[str, Any] = {
         "tokens_per_s": round(statistics.median(rates), 1),
         "tokens_per_call": tokens,
         "call_s": round(statistics.median(seconds), 4),
         "startup_s": round(startup, 2),
     }
+    if concurrency is not None:
+        result["tokens_per_s_by_concurrency"] = concurrency
+    return result
+
+
+def _by_concurrency(role: Any, prompts: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The same prompts split into k micro-batches whose `generate` calls are in flight
+    together (as the rollout stage runs them): tok/s for k = 1, 2, 4, 8."""
+    from hybridflow.transport import aio
+
+    generate = role.bound_op(role.op_spec("generate"))
+    rows = prompts["prompt_ids"].shape[0]
+
+    async def together(k: int) -> tuple[int, float]:
+        parts = [{name: v[i::k] for name, v in prompts.items()} for i in range(k) if i < rows]
+        t = time.perf_counter()
+        outs = await asyncio.gather(
+            *(generate(p, {"step": 100 + k, "mb_id": i}) for i, p in enumerate(parts))
+        )
+        return sum(int(o["response_mask"].sum()) for o, _ in outs), time.perf_counter() - t
+
+    rates = {}
+    for k in (1, 2, 4, 8):
+        tokens, dt = aio.run(together(k))
+        rates[str(k)] = round(tokens / dt, 1)
+    return rates

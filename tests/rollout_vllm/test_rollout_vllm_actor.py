@@ -141,7 +141,7 @@ def test_bench_rollout_measures_both_backends(capsys):
     argv = ["bench", "rollout", "--json", "--quick", "--set", "prompts=2"]
     assert main([*argv, "--set", "max_new_tokens=5", "--set", "reps=1"]) == 0
     out = json.loads(capsys.readouterr().out)  # vLLM's own logging stays off stdout
-    for backend in ("hf", "vllm"):
+    for backend in ("hf", "native", "vllm"):
         assert out[backend]["tokens_per_call"] == 2 * 5  # same work: EOS does not stop
         assert out[backend]["tokens_per_s"] > 0
     assert out["vllm_over_hf"] > 0

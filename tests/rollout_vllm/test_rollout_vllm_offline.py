@@ -75,6 +75,7 @@ def test_sleep_wake_bookkeeping_with_a_fake_engine_seam(monkeypatch):
     role = VLLMRollout()
     role.opts, role.on_gpu, role.llm = options(model="tiny-vllm", sleep_level=2), True, object()
     role._update = vllm_compat.WeightUpdate(llm=None)
+    role._ready = True  # set up by hand through the seam, not by setup()
 
     assert role.handle("sleep", {}, {})[1] == {"rollout/sleep_skipped": 0.0}
     with pytest.raises(BatchError, match="asleep"):

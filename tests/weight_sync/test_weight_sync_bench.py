@@ -35,3 +35,5 @@ def test_bench_rollout_reports_hf_and_says_vllm_is_missing(capsys):
     assert out["vllm"] == "not installed"
     assert out["hf"]["tokens_per_call"] == 2 * 5  # EOS does not stop: equal work per backend
     assert out["hf"]["tokens_per_s"] > 0 and out["model"] == "tiny-vllm"
+    assert out["native"]["tokens_per_call"] == 2 * 5 and out["native_over_hf"] > 0
+    assert set(out["native"]["tokens_per_s_by_concurrency"]) == {"1", "2", "4", "8"}
