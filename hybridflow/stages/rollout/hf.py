@@ -51,8 +51,6 @@ from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
     build_model,
-    check_left_padded,
-    mix_seed,
     options_path,
     require,
     row_chunks,
@@ -63,6 +61,8 @@ from hybridflow.stages.rollout.state import (
     GENERATE_OUTPUTS,
     HFRolloutOptions,
     RolloutState,
+    check_prompts,
+    eos_ids,
 )
 
 
@@ -96,7 +96,11 @@ class HFRollout(RolloutState, RoleBase):
         self.pad_id = (
             opts.pad_token_id if opts.pad_token_id is not None else self.tokenizer.pad_token_id
         )
-        self.eos_ids = self._eos_ids(opts)
+        self.eos_ids = eos_ids(
+            opts.eos_token_id,
+            self.tokenizer.eos_token_id,
+            getattr(self.model.generation_config, "eos_token_id", None),
+        )
         if opts.stop_on_eos and not self.eos_ids:
             raise ConfigError(f"{options_path(ctx)}.eos_token_id", "the model names no EOS token")
         # Every name the sender may use (tied weights answer to both names) -> parameter.
@@ -104,19 +108,6 @@ class HFRollout(RolloutState, RoleBase):
         # transformers 5.2x renamed `past_key_values` (forward argument and output) to `cache`.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
-
-    def _eos_ids(self, opts: HFRolloutOptions) -> list[int]:
-        if opts.eos_token_id is not None:
-            return [opts.eos_token_id]
-        ids: list[int] = []
-        for source in (
-            self.tokenizer.eos_token_id,
-            getattr(self.model.generation_config, "eos_token_id", None),
-        ):
-            for i in [source] if isinstance(source, int) else list(source or []):
-                if i not in ids:
-                    ids.append(int(i))
-        return ids
 
     def close(self) -> None:
         self.model = None
@@ -152,13 +143,7 @@ class HFRollout(RolloutState, RoleBase):
         require(batch, ("prompt_ids", "prompt_mask"), where)
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
         self._check_prompts(prompt_ids, prompt_mask, opts, where)
-        if params.get("seed") is not None:
-            seed = int(params["seed"])
-        elif "step" in params and "mb_id" in params:
-            seed = mix_seed(self.seed, params["step"], params["mb_id"])
-        else:
-            seed = mix_seed(self.seed, "call", self.calls)
-        self.calls += 1
+        seed = self._call_seed(params)
         gen = torch.Generator(device=self.device).manual_seed(seed)
 
         ids = prompt_ids.repeat_interleave(opts.n, dim=0)  # [B*n, P]
@@ -190,23 +175,7 @@ class HFRollout(RolloutState, RoleBase):
     def _check_prompts(
         self, ids: torch.Tensor, mask: torch.Tensor, opts: HFRolloutOptions, where: str
     ) -> None:
-        if ids.dim() != 2 or ids.shape != mask.shape:
-            raise BatchError(
-                f"{where}: prompt_ids {tuple(ids.shape)} and prompt_mask {tuple(mask.shape)} "
-                "must both be [B, P]"
-            )
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise BatchError(f"{where}: prompt_ids must be integer, got {ids.dtype}")
-        m = mask.to(torch.int64)
-        if not bool(((m == 0) | (m == 1)).all()):
-            raise BatchError(f"{where}: prompt_mask must hold only 0 and 1")
-        check_left_padded(m, where)
-        if not bool(m.sum(-1).gt(0).all()):
-            raise BatchError(f"{where}: some rows have an empty prompt")
-        valid = ids[m.bool()]
-        vocab = self.model.config.vocab_size
-        if int(valid.min()) < 0 or int(valid.max()) >= vocab:
-            raise BatchError(f"{where}: prompt token ids outside the vocabulary [0, {vocab})")
+        m = check_prompts(ids, mask, where, self.model.config.vocab_size)
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit is not None and int(m.sum(-1).max()) + opts.max_new_tokens > limit:
             raise BatchError(

@@ -7,12 +7,16 @@ and code that import it); every backend class mixes in `RolloutState`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.loader import ModelOptions
 from hybridflow.stages.base import Metrics, Params
+from hybridflow.stages.common import check_left_padded, mix_seed
 
 
 @dataclass
@@ -59,6 +63,7 @@ class RolloutState:
 
     backend_name: str
     opts: Any  # the backend's options (an HFRolloutOptions or subclass), set in setup
+    seed: int  # the run's (or options.seed), set in setup
     calls: int
     policy_version: int | None
 
@@ -79,6 +84,20 @@ class RolloutState:
         except ConfigError as exc:
             raise BatchError(f"{self.backend_name} rollout: bad generate params: {exc}") from exc
         return merged
+
+    def _call_seed(self, params: Params) -> int:
+        """The seed of one generate call: `params["seed"]`, else one mixed from (seed,
+        step, mb_id) when the runtime passes them (it does), else from (seed, call count).
+        So a micro-batch's samples do not depend on which replica ran it or what ran
+        before it; the replica index is deliberately not part of it."""
+        if params.get("seed") is not None:
+            seed = int(params["seed"])
+        elif "step" in params and "mb_id" in params:
+            seed = mix_seed(self.seed, params["step"], params["mb_id"])
+        else:
+            seed = mix_seed(self.seed, "call", self.calls)
+        self.calls += 1
+        return seed
 
     def _generate_metrics(self, gen_s: float, tokens: int, rows: int) -> Metrics:
         metrics = {
@@ -102,3 +121,50 @@ GENERATE_OUTPUTS = (
     "rollout_logprobs",
     "group_index",
 )
+
+
+def check_prompts(
+    ids: torch.Tensor,  # [B, P] int, left-padded
+    mask: torch.Tensor,  # [B, P] 0/1
+    where: str,
+    vocab_size: int,
+) -> torch.Tensor:
+    """Validate a generate call's prompts (every backend's rules) -> the mask as int64.
+    Raises BatchError naming `where` and the problem."""
+    if ids.dim() != 2 or ids.shape != mask.shape:
+        raise BatchError(
+            f"{where}: prompt_ids {tuple(ids.shape)} and prompt_mask {tuple(mask.shape)} "
+            "must both be [B, P]"
+        )
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise BatchError(f"{where}: prompt_ids must be integer, got {ids.dtype}")
+    m = mask.to(torch.int64)
+    if not bool(((m == 0) | (m == 1)).all()):
+        raise BatchError(f"{where}: prompt_mask must hold only 0 and 1")
+    check_left_padded(m, where)
+    empty = m.sum(-1) == 0  # [B]
+    if bool(empty.any()):
+        rows = torch.nonzero(empty).flatten().tolist()
+        raise BatchError(f"{where}: rows {rows[:8]} have an empty prompt")
+    valid = ids[m.bool()].to(torch.int64)
+    outside = (valid < 0) | (valid >= vocab_size)
+    if bool(outside.any()):
+        raise BatchError(
+            f"{where}: prompt token ids {valid[outside][:8].tolist()} outside the vocabulary "
+            f"[0, {vocab_size})"
+        )
+    return m
+
+
+def eos_ids(configured: int | None, *sources: Any) -> list[int]:
+    """Stop ids: the configured one, else every id named by `sources` (the tokenizer's
+    eos_token_id, the generation config's: an int, a list, or None), in order, once."""
+    if configured is not None:
+        return [configured]
+    ids: list[int] = []
+    for source in sources:
+        items: Iterable[Any] = [source] if isinstance(source, int) else list(source or [])
+        for i in items:
+            if int(i) not in ids:
+                ids.append(int(i))
+    return ids

@@ -63,8 +63,6 @@ from hybridflow.models.loader import load_tokenizer, resolve_model, save_pretrai
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
     build_model,
-    check_left_padded,
-    mix_seed,
     options_path,
     require,
 )
@@ -75,6 +73,8 @@ from hybridflow.stages.rollout.state import (
     GENERATE_OUTPUTS,
     HFRolloutOptions,
     RolloutState,
+    check_prompts,
+    eos_ids,
 )
 
 
@@ -224,13 +224,7 @@ class VLLMRollout(RolloutState, RoleBase):
                 f"exceeds max_model_len {self.max_model_len} (raise options.max_model_len "
                 "or shorten prompts)"
             )
-        if params.get("seed") is not None:
-            seed = int(params["seed"])
-        elif "step" in params and "mb_id" in params:
-            seed = mix_seed(self.seed, params["step"], params["mb_id"])
-        else:
-            seed = mix_seed(self.seed, "call", self.calls)
-        self.calls += 1
+        seed = self._call_seed(params)
         # One vLLM request per prompt, each with its own seed: samples do not depend on
         # what else the engine batches with them.
         sampling = [
@@ -380,12 +374,7 @@ def _eos_ids(opts: VLLMRolloutOptions, tokenizer: Any, model_dir: str) -> list[i
             gen = json.loads(gen_file.read_text()).get("eos_token_id")
         except (OSError, ValueError, AttributeError) as exc:
             raise ConfigError("model", f"cannot read {gen_file}: {exc}") from exc
-    ids: list[int] = []
-    for source in (tokenizer.eos_token_id, gen):
-        for i in [source] if isinstance(source, int) else list(source or []):
-            if int(i) not in ids:
-                ids.append(int(i))
-    return ids
+    return eos_ids(None, tokenizer.eos_token_id, gen)
 
 
 def _prompts(
@@ -395,29 +384,8 @@ def _prompts(
     where: str,
 ) -> list[list[int]]:
     """Left-padded ids + mask -> B token lists. Raises BatchError on malformed input."""
-    if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
-        raise BatchError(
-            f"{where}: prompt_ids {tuple(prompt_ids.shape)} and prompt_mask "
-            f"{tuple(prompt_mask.shape)} must both be [B, P]"
-        )
-    if prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
-        raise BatchError(f"{where}: prompt_ids must be integer, got {prompt_ids.dtype}")
-    mask = prompt_mask.to(torch.int64)
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        raise BatchError(f"{where}: prompt_mask must hold only 0 and 1")
-    check_left_padded(mask, where)
-    lengths = mask.sum(dim=1)  # [B]
-    if bool((lengths == 0).any()):
-        rows = torch.nonzero(lengths == 0).flatten().tolist()
-        raise BatchError(f"{where}: rows {rows[:8]} have an empty prompt")
+    lengths = check_prompts(prompt_ids, prompt_mask, where, vocab_size).sum(dim=1)  # [B]
     ids = prompt_ids.to(torch.int64)
-    valid = ids[mask.bool()]
-    outside = (valid < 0) | (valid >= vocab_size)
-    if bool(outside.any()):
-        raise BatchError(
-            f"{where}: prompt token ids {valid[outside][:8].tolist()} outside the model's "
-            f"vocabulary [0, {vocab_size})"
-        )
     width = ids.shape[1]
     return [ids[i, width - int(n) :].tolist() for i, n in enumerate(lengths)]
 

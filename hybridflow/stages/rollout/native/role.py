@@ -28,14 +28,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
-from hybridflow.stages.common import build_model, check_left_padded, mix_seed, options_path, require
+from hybridflow.stages.common import build_model, options_path, require
 from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
 from hybridflow.stages.rollout.native.frontend import AsyncEngine
@@ -46,6 +45,8 @@ from hybridflow.stages.rollout.state import (
     GENERATE_OUTPUTS,
     HFRolloutOptions,
     RolloutState,
+    check_prompts,
+    eos_ids,
 )
 
 GIB = float(1 << 30)
@@ -107,7 +108,12 @@ class NativeRollout(RolloutState, RoleBase):
         self.pad_id = (
             opts.pad_token_id if opts.pad_token_id is not None else self.tokenizer.pad_token_id
         )
-        self.eos_ids = _eos_ids(opts, self.tokenizer, model)
+        self.eos_ids = eos_ids(
+            opts.eos_token_id,
+            self.tokenizer.eos_token_id,
+            getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        )
+        self.vocab_size = int(model.config.vocab_size)
         if opts.stop_on_eos and not self.eos_ids:
             raise ConfigError(f"{path}.eos_token_id", "the model names no EOS token")
         max_len = opts.max_prompt_len + opts.max_new_tokens
@@ -158,15 +164,8 @@ class NativeRollout(RolloutState, RoleBase):
             raise BatchError(f"{where}: the last weight update failed or was incomplete")
         require(batch, ("prompt_ids", "prompt_mask"), where)
         ids, mask = batch["prompt_ids"], batch["prompt_mask"]
-        self._check_prompts(ids, mask, where)
-        if params.get("seed") is not None:
-            seed = int(params["seed"])
-        elif "step" in params and "mb_id" in params:
-            seed = mix_seed(self.seed, params["step"], params["mb_id"])
-        else:
-            seed = mix_seed(self.seed, "call", self.calls)
-        self.calls += 1
-        m = mask.to(torch.int64)
+        m = check_prompts(ids, mask, where, self.vocab_size)
+        seed = self._call_seed(params)
         prompts = [ids[i][m[i].bool()].to(torch.int64) for i in range(ids.shape[0])]
         sampling = SamplingParams(
             temperature=opts.temperature,
@@ -269,34 +268,3 @@ class NativeRollout(RolloutState, RoleBase):
         if version is not None:
             self.policy_version = int(version)
         return metrics
-
-    # -- checks --------------------------------------------------------------------------
-    def _check_prompts(self, ids: torch.Tensor, mask: torch.Tensor, where: str) -> None:
-        if ids.dim() != 2 or ids.shape != mask.shape:
-            raise BatchError(
-                f"{where}: prompt_ids {tuple(ids.shape)} and prompt_mask {tuple(mask.shape)} "
-                "must both be [B, P]"
-            )
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise BatchError(f"{where}: prompt_ids must be integer, got {ids.dtype}")
-        m = mask.to(torch.int64)
-        if not bool(((m == 0) | (m == 1)).all()):
-            raise BatchError(f"{where}: prompt_mask must hold only 0 and 1")
-        check_left_padded(m, where)
-        if not bool(m.sum(-1).gt(0).all()):
-            raise BatchError(f"{where}: some rows have an empty prompt")
-
-
-def _eos_ids(opts: HFRolloutOptions, tokenizer: Any, model: Any) -> list[int]:
-    """The configured EOS id, else the tokenizer's and the generation config's (as hf)."""
-    if opts.eos_token_id is not None:
-        return [opts.eos_token_id]
-    ids: list[int] = []
-    for source in (
-        tokenizer.eos_token_id,
-        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-    ):
-        for i in [source] if isinstance(source, int) else list(source or []):
-            if int(i) not in ids:
-                ids.append(int(i))
-    return ids
