@@ -29,7 +29,6 @@ NaN/inf/non-number is a RewardFunctionError too. Never a silent zero.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import time
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.config.imports import load_attr, split_spec
 from hybridflow.config.loader import from_dict
 from hybridflow.data.batching import row_metadata, unpad
 from hybridflow.errors import BatchError, ConfigError, RewardFunctionError
@@ -58,33 +58,12 @@ class FunctionRewardOptions:
     model: str | None = None  # or: use this model's tokenizer
 
     def validate(self, path: str) -> None:
-        if ":" not in self.function or not all(self.function.partition(":")[::2]):
-            raise ConfigError(
-                f"{path}.function",
-                f"must look like package.module:function, got {self.function!r}",
-            )
+        split_spec(self.function, f"{path}.function", form="package.module:function")
         if self.tokenizer is None and self.model is None:
             raise ConfigError(
                 f"{path}.tokenizer",
                 "is required to decode text: 'builtin', a tokenizer directory, or set `model`",
             )
-
-
-def import_function(target: str, path: str = "function") -> RewardFn:
-    """`package.module:attr[.attr]` -> the callable (importlib + getattr, never eval)."""
-    module_name, _, attr = target.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(path, f"cannot import module {module_name!r}: {exc}") from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ConfigError(path, f"module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise ConfigError(path, f"{target!r} is not callable")
-    return obj
 
 
 class FunctionReward(RoleBase):
@@ -100,7 +79,7 @@ class FunctionReward(RoleBase):
         path = options_path(ctx)
         opts = from_dict(FunctionRewardOptions, dict(ctx.options), path)
         self.name = opts.function
-        self.fn = import_function(opts.function, f"{path}.function")
+        self.fn = load_attr(opts.function, f"{path}.function", callable_only=True)
         self.tokenizer = load_tokenizer(opts.tokenizer, opts.model, f"{path}.tokenizer")
 
     @op(name="score", inputs=("prompt_ids", "response_ids"), outputs=("rewards",))
