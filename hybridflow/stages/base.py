@@ -20,13 +20,14 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from hybridflow.config.imports import load_attr
 
 Batch = dict[str, torch.Tensor]
 Metrics = dict[str, float]
@@ -92,5 +93,4 @@ def create_role(role_kind: str, backend: str) -> Role:
         raise KeyError(
             f"no backend {backend!r} for role {role_kind!r}; known: {backend_names(role_kind)}"
         )
-    module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return load_attr(target, f"{role_kind}.backend")()

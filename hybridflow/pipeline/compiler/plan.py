@@ -18,10 +18,10 @@ only they may run ahead of the previous step's reshard (`max_offpolicy_steps`).
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.config.imports import load_attr
 from hybridflow.config.loader import config_hash, from_dict
 from hybridflow.config.schema import DRIVER_ROLE, OpConfig, Topology
 from hybridflow.errors import ConfigError
@@ -178,8 +178,7 @@ def _check_role_options(target: str, options: dict[str, Any], path: str) -> type
     a typo fails at validate/plan time rather than during stage setup. Imports the backend
     module only (cheap: models and engines are built in `setup`, in the stage process).
     Returns the backend class."""
-    module, cls_name = target.split(":")
-    cls: type = getattr(importlib.import_module(module), cls_name)
+    cls: type = load_attr(target, path.rsplit(".", 1)[0] + ".backend")
     options_cls = getattr(cls, "options_cls", None)
     if options_cls is not None:
         from_dict(options_cls, dict(options), path)

@@ -14,12 +14,12 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
+from hybridflow.config.imports import load_attr
 from hybridflow.config.schema import DataConfig
 from hybridflow.errors import ConfigError
 
@@ -54,8 +54,7 @@ def source_class(cfg: DataConfig) -> Any:
             "data.source",
             f"unknown data source {cfg.source!r}; known: {', '.join(sorted(SOURCES))}",
         )
-    module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)
+    return load_attr(target, "data.source")
 
 
 def create_source(cfg: DataConfig, seed: int) -> DataSource:
