@@ -11,6 +11,8 @@ test changes the weights.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from _policy import left_pad
@@ -19,6 +21,7 @@ from vllm_helpers import INITIAL_PROMPTS, MAX_NEW, OPTIONS, make_ctx  # noqa: F4
 from hybridflow.stages.rollout import vllm_compat
 
 
+@dataclass
 class Engine:
     role: object  # VLLMRollout
     initial: dict[str, torch.Tensor]  # greedy generate() on INITIAL_PROMPTS before any reshard
