@@ -52,10 +52,25 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run a topology (file or preset) to completion")
     config_args(r)
+    r.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="DIR|latest",
+        help="continue from a checkpoint: 'latest' (the default) under checkpoint.save_dir, "
+        "a checkpoint directory, or a save directory (its latest)",
+    )
 
     v = sub.add_parser("validate", help="check a config and print the resolved topology")
     config_args(v)
     v.add_argument("--json", action="store_true", help="print the resolved topology as JSON")
+    v.add_argument(
+        "--allow-cwd-imports",
+        action="store_true",
+        help="let modules the config names load from the working directory too "
+        "(default: installed packages and PYTHONPATH only)",
+    )
 
     b = sub.add_parser("bench", help="run a benchmark and print one JSON object")
     b.add_argument("what", choices=BENCHES)

@@ -6,9 +6,13 @@ hand-computed values. Modules:
 
 - `utils`      masked sum / mean / var / whiten, `place_on_last_token`
 - `advantages` GAE, GRPO, REINFORCE++ (+ group baseline), RLOO; `compute_advantages`
-- `kl`         k1/k2/k3 estimators, fixed/adaptive coefficient, reward penalty, loss term
-- `losses`     loss aggregation modes, PPO clip (+ dual-clip) loss, value loss,
+- `kl`         k1/k2/k3/abs and straight-through k1+/k3+ estimators, fixed/adaptive coefficient, reward penalty, loss term
+- `losses`     loss aggregation modes (incl. Dr. GRPO's seq-mean-token-sum-norm),
+               policy losses PPO clip (+ dual-clip), GSPO, CISPO; value loss,
                entropy and log-probs from logits
+- `correction` rollout-vs-actor importance weights: TIS (token, truncated), MIS
+               (sequence, masked)
+- `shaping`    DAPO's overlong reward shaping and dynamic sampling's group filter
 
 Conventions: B sequences, T response positions, V vocabulary; `mask` [B, T] is nonzero
 at response tokens that count. Padding never influences any output, gradient or stat.
@@ -25,6 +29,7 @@ from hybridflow.algos.advantages import (
     reinforce_pp,
     rloo,
 )
+from hybridflow.algos.correction import CORRECTION_MODES, Correction, rollout_correction
 from hybridflow.algos.kl import (
     KL_ALIASES,
     KL_KINDS,
@@ -37,13 +42,18 @@ from hybridflow.algos.kl import (
 )
 from hybridflow.algos.losses import (
     AGG_MODES,
+    POLICY_LOSSES,
     aggregate,
+    cispo_policy_loss,
     entropy_bonus,
     entropy_from_logits,
+    gspo_policy_loss,
     logprobs_from_logits,
+    policy_loss,
     ppo_policy_loss,
     value_loss,
 )
+from hybridflow.algos.shaping import informative_groups, overlong_penalty
 from hybridflow.algos.utils import (
     masked_mean,
     masked_sum,
@@ -55,19 +65,25 @@ from hybridflow.algos.utils import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "CORRECTION_MODES",
     "KL_ALIASES",
     "KL_KINDS",
+    "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageResult",
+    "Correction",
     "EstimatorSpec",
     "FixedKLController",
     "aggregate",
     "apply_kl_penalty",
+    "cispo_policy_loss",
     "compute_advantages",
     "entropy_bonus",
     "entropy_from_logits",
     "gae",
     "grpo_advantages",
+    "gspo_policy_loss",
+    "informative_groups",
     "kl_estimate",
     "kl_loss",
     "logprobs_from_logits",
@@ -76,9 +92,12 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
     "place_on_last_token",
+    "policy_loss",
     "ppo_policy_loss",
     "reinforce_pp",
     "rloo",
+    "rollout_correction",
     "value_loss",
 ]

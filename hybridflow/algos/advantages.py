@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE, GRPO, REINFORCE++ (plain and group baseline), RLOO.
+"""Advantage estimators: GAE, GRPO (and Dr. GRPO), REINFORCE++ (plain and group
+baseline), RLOO.
 
 Consumes per-token rewards `token_rewards` [B, T] (sequence scores usually sit on the
 last response token, see `place_on_last_token`) or sequence `scores` [B], critic
@@ -276,6 +277,12 @@ def _run_grpo(f: dict[str, Any], o: dict[str, Any]) -> AdvantageResult:
     return AdvantageResult(grpo_advantages(f["scores"], f["group_index"], f["mask"], **o), None)
 
 
+def _run_dr_grpo(f: dict[str, Any], o: dict[str, Any]) -> AdvantageResult:
+    return AdvantageResult(
+        grpo_advantages(f["scores"], f["group_index"], f["mask"], norm_std=False, **o), None
+    )
+
+
 def _run_rloo(f: dict[str, Any], o: dict[str, Any]) -> AdvantageResult:
     return AdvantageResult(rloo(f["scores"], f["group_index"], f["mask"], **o), None)
 
@@ -311,6 +318,16 @@ _SPECS = (
         options=("norm_std", "eps"),
         doc="GRPO group advantages",
         fn=_run_grpo,
+    ),
+    EstimatorSpec(
+        name="dr_grpo",
+        needs_values=False,
+        needs_groups=True,
+        returns=False,
+        inputs=("scores", "group_index"),
+        options=(),
+        doc="Dr. GRPO advantages: s_i - mean_g, no std division (Liu et al. 2025)",
+        fn=_run_dr_grpo,
     ),
     EstimatorSpec(
         name="reinforce_pp",

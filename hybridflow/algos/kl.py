@@ -12,7 +12,16 @@ log_ratio = logprobs - ref_logprobs:
                                             (= exp(ref - logp) - (ref - logp) - 1)
 
 (Schulman, "Approximating KL divergence", 2020.) Sign convention: a policy that puts
-more mass than the reference on its own samples has k1 > 0.
+more mass than the reference on its own samples has k1 > 0. Also:
+
+    abs = |log_ratio|                       >= 0, biased (a penalty that never pays)
+    k1+ = k1 in value, k2 in gradient       straight-through: k2 + sg(k1 - k2)
+    k3+ = k3 in value, k2 in gradient       straight-through: k2 + sg(k3 - k2)
+
+As a *loss*, the gradient of k1 has zero mean under pi (E[grad log pi] = 0: it pushes
+nowhere on average) and k3's gradient is that of KL(pi_ref || pi); k2's gradient,
+log_ratio * grad log pi, is the unbiased gradient of KL(pi || pi_ref). The "+" kinds
+report the unbiased k1/k3 value while training with the right gradient (verl's names).
 
 Two modes, pick one per run:
 - penalty in the reward (PPO): `apply_kl_penalty` -> token rewards r_t - beta * kl_t,
@@ -37,7 +46,7 @@ from hybridflow.algos.utils import (
 )
 from hybridflow.errors import AlgorithmInputError
 
-KL_KINDS = ("k1", "k2", "k3")
+KL_KINDS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
 # verl's names for the same estimators, accepted so configs written for it read the same.
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
@@ -56,8 +65,8 @@ def kl_estimate(
 ) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate [B, T] from `logprobs` and `ref_logprobs` [B, T].
 
-    `kind`: "k1" | "k2" | "k3" (or verl's "kl" | "mse" | "low_var_kl"); see the module
-    docstring. `k3_clamp` caps k3 from above (verl uses 10) so one token whose
+    `kind`: "k1" | "k2" | "k3" | "abs" | "k1+" | "k3+" (or verl's "kl" | "mse" |
+    "low_var_kl"); see the module docstring. `k3_clamp` caps k3 from above (verl uses 10) so one token whose
     reference probability collapsed cannot dominate; None disables it. With `mask`
     [B, T], padding positions are 0 whatever the inputs hold there.
     """
@@ -73,16 +82,25 @@ def kl_estimate(
         check_same_shape(where, logprobs=logprobs, mask=mask)
         logprobs, ref_logprobs = zero_padding(logprobs, mask), zero_padding(ref_logprobs, mask)
     log_ratio = logprobs - ref_logprobs
-    if kind == "k1":
-        kl = log_ratio
-    elif kind == "k2":
-        kl = 0.5 * log_ratio.square()
+    if kind == "abs":
+        kl = log_ratio.abs()
+    elif kind.endswith("+"):  # straight-through: value of k1/k3, gradient of k2
+        k2 = _estimate(log_ratio, "k2", k3_clamp)
+        kl = k2 + (_estimate(log_ratio, kind[:-1], k3_clamp) - k2).detach()
     else:
-        d = (-log_ratio).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # ref - logp
-        kl = torch.exp(d) - d - 1.0
-        if k3_clamp is not None:
-            kl = kl.clamp(max=k3_clamp)
+        kl = _estimate(log_ratio, kind, k3_clamp)
     return kl if mask is None else zero_padding(kl, mask)
+
+
+def _estimate(log_ratio: torch.Tensor, kind: str, k3_clamp: float | None) -> torch.Tensor:
+    """k1 | k2 | k3 of `log_ratio` = logprobs - ref_logprobs [B, T]."""
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    d = (-log_ratio).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # ref - logp
+    kl = torch.exp(d) - d - 1.0
+    return kl if k3_clamp is None else kl.clamp(max=k3_clamp)
 
 
 class FixedKLController:
@@ -175,13 +193,15 @@ def kl_loss(
     agg: str = "token-mean",
     *,
     denom: float | torch.Tensor | None = None,
+    norm_len: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The KL-as-loss term to ADD to the policy loss: coef * aggregate(kl_estimate(...)).
 
     `logprobs` [B, T] carries grad; `ref_logprobs`, `mask` [B, T]. Aggregated exactly
-    like the policy loss (pass the same `agg` and `denom`). stats: `kl_loss` (unscaled).
+    like the policy loss (pass the same `agg`, `denom` and `norm_len`). stats: `kl_loss`
+    (unscaled).
     """
     check_ndim("kl_loss", "logprobs", logprobs, 2, "[B, T]")
     kl = kl_estimate(logprobs, ref_logprobs, kind, mask)
-    value = aggregate(kl, mask, agg, denom=denom)
+    value = aggregate(kl, mask, agg, denom=denom, norm_len=norm_len)
     return coef * value, {"kl_loss": value.detach()}

@@ -28,7 +28,9 @@ from hybridflow.algos.utils import (
 )
 from hybridflow.errors import AlgorithmInputError
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# The policy-gradient objectives `policy_loss` dispatches to (the actor's `policy_loss`).
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 
 # exp() of a log-ratio beyond this is meaningless for PPO and would overflow in fp16/bf16.
 _MAX_LOG_RATIO = 20.0
@@ -40,6 +42,7 @@ def aggregate(
     mode: str = "token-mean",
     *,
     denom: float | torch.Tensor | None = None,
+    norm_len: float | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss `loss_mat` [B, T] over valid tokens to a scalar.
 
@@ -47,6 +50,10 @@ def aggregate(
       weigh more; the PPO/DAPO default).
     - `seq-mean-token-sum`: per-sequence sum, then mean over sequences.
     - `seq-mean-token-mean`: per-sequence mean, then mean over sequences (original GRPO).
+    - `seq-mean-token-sum-norm`: per-sequence sum divided by the fixed constant
+      `norm_len` (Dr. GRPO, Liu et al. 2025: the generation budget), then mean over
+      sequences: (1/B) sum_i sum_t l_it / L. A constant divisor removes GRPO's length
+      bias (a per-sequence 1/|o_i| favours long wrong answers and short right ones).
 
     Sequences with no valid token (padding rows) do not count in the sequence modes.
     `denom` replaces the divisor (token count for token-mean, sequence count for the
@@ -61,6 +68,13 @@ def aggregate(
         total, count = masked_sum(loss_mat, m), m.sum()
     elif mode == "seq-mean-token-sum":
         total, count = masked_sum(loss_mat, m), m.any(dim=-1).sum()
+    elif mode == "seq-mean-token-sum-norm":
+        if norm_len is None or norm_len <= 0:
+            raise AlgorithmInputError(
+                f"aggregate({mode}): needs a fixed norm_len > 0 (e.g. the max response "
+                f"length), got {norm_len}"
+            )
+        total, count = masked_sum(loss_mat, m) / norm_len, m.any(dim=-1).sum()
     elif mode == "seq-mean-token-mean":
         row_mean = masked_mean(loss_mat, m, dim=-1, empty=0.0)  # [B]; padding rows -> 0
         total, count = row_mean.sum(), m.any(dim=-1).sum()
@@ -89,6 +103,8 @@ def ppo_policy_loss(
     agg: str = "token-mean",
     *,
     denom: float | torch.Tensor | None = None,
+    norm_len: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate, with asymmetric clip range and optional dual-clip.
 
@@ -101,6 +117,8 @@ def ppo_policy_loss(
         L = min(L, -A c)
     which bounds the loss of a negative-advantage token whose ratio exploded.
     `clip_ratio_high` defaults to `clip_ratio_low` (DAPO's clip-higher sets it larger).
+    `weights` [B, T] (optional, no grad) multiply the per-token loss: the rollout
+    correction's importance weights (hybridflow.algos.correction).
 
     stats: `pg_loss`, `pg_clipfrac` (share of valid tokens where the clip is binding),
     `pg_clipfrac_lower` (share where the dual clip is binding; 0 without dual-clip),
@@ -113,11 +131,7 @@ def ppo_policy_loss(
     )
     if clip_ratio_high is None:
         clip_ratio_high = clip_ratio_low
-    if not 0.0 <= clip_ratio_low < 1.0 or clip_ratio_high < 0.0:
-        raise AlgorithmInputError(
-            f"{where}: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, "
-            f"got low={clip_ratio_low}, high={clip_ratio_high}"
-        )
+    _check_clip(where, clip_ratio_low, clip_ratio_high)
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise AlgorithmInputError(f"{where}: dual_clip_c must be > 1, got {dual_clip_c}")
     m = as_bool_mask(mask)
@@ -140,7 +154,7 @@ def ppo_policy_loss(
     else:
         clipfrac_lower = torch.zeros((), dtype=adv.dtype, device=adv.device)
 
-    loss = aggregate(loss_mat, m, agg, denom=denom)
+    loss = aggregate(_weighted(loss_mat, weights, m), m, agg, denom=denom, norm_len=norm_len)
     stats = {
         "pg_loss": loss.detach(),
         "pg_clipfrac": clipfrac.detach(),
@@ -148,6 +162,169 @@ def ppo_policy_loss(
         "ppo_kl": masked_mean(-log_ratio, m).detach(),
     }
     return loss, stats
+
+
+def _weighted(
+    loss_mat: torch.Tensor, weights: torch.Tensor | None, mask: torch.Tensor
+) -> torch.Tensor:
+    """`loss_mat` [B, T] times detached per-token `weights` [B, T] (None: unchanged)."""
+    if weights is None:
+        return loss_mat
+    check_same_shape("policy loss", loss_mat=loss_mat, weights=weights)
+    return loss_mat * zero_padding(weights.detach().to(loss_mat.dtype), mask)
+
+
+def _check_clip(where: str, low: float, high: float) -> None:
+    if not 0.0 <= low < 1.0 or high < 0.0:
+        raise AlgorithmInputError(
+            f"{where}: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, "
+            f"got low={low}, high={high}"
+        )
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float | None = 4e-4,
+    agg: str = "seq-mean-token-mean",
+    *,
+    denom: float | torch.Tensor | None = None,
+    norm_len: float | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): sequence-level ratio and clipping.
+
+    Shapes as `ppo_policy_loss`. With |y_i| the valid tokens of sequence i,
+        s_i = exp( (1/|y_i|) sum_t (logprobs_it - old_logprobs_it) )
+        J   = (1/G) sum_i min( s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i )
+    and the loss is -J; a whole sequence is clipped or not (the paper's eps are ~1e-4:
+    3e-4 / 4e-4 by default). Written in the paper's GSPO-token form, per token
+        s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)]
+        L_it = max(-A_it s_it, -A_it clip(s_it, 1 - eps_low, 1 + eps_high))
+    which has the value s_i at every token and, aggregated `seq-mean-token-mean` (the
+    default, and the paper's), exactly GSPO's value and gradient when the advantage is
+    one per sequence (A_it = A_i, as GRPO's); other `agg` modes reweight sequences.
+    stats: `pg_loss`, `pg_clipfrac` (share of sequences clipped), `pg_clipfrac_lower`
+    (0: no dual clip), `ppo_kl` (token k1 of KL(old || new)), `seq_ratio_mean`.
+    """
+    where = "gspo_policy_loss"
+    check_ndim(where, "logprobs", logprobs, 2, "[B, T]")
+    check_same_shape(
+        where, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask
+    )
+    clip_ratio_high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
+    _check_clip(where, clip_ratio_low, clip_ratio_high)
+    m = as_bool_mask(mask)
+    logprobs, old_logprobs = zero_padding(logprobs, m), zero_padding(old_logprobs, m)
+    adv = zero_padding(advantages, m)
+    log_ratio = logprobs - old_logprobs  # [B, T]
+    seq_log_ratio = masked_mean(log_ratio, m, dim=-1, empty=0.0)  # [B] log s_i
+    # value sg[log s_i] at every token, gradient of log pi(y_it)
+    token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(token_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [B, T]
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    rows = m.any(dim=-1)  # [B]
+    clipped_rows = ((loss_clipped > loss_unclipped) & m).any(dim=-1)
+    loss = aggregate(_weighted(loss_mat, weights, m), m, agg, denom=denom, norm_len=norm_len)
+    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
+    stats = {
+        "pg_loss": loss.detach(),
+        "pg_clipfrac": masked_mean(clipped_rows.to(adv.dtype), rows, empty=0.0).detach(),
+        "pg_clipfrac_lower": zero,
+        "ppo_kl": masked_mean(-log_ratio, m).detach(),
+        "seq_ratio_mean": masked_mean(seq_log_ratio.exp(), rows, empty=1.0).detach(),
+    }
+    return loss, stats
+
+
+def cispo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float | None = None,
+    agg: str = "token-mean",
+    *,
+    denom: float | torch.Tensor | None = None,
+    norm_len: float | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clipped IS weight, stop-gradient, x log-prob.
+
+    Shapes as `ppo_policy_loss`. Per token, with r = exp(logprobs - old_logprobs),
+        w_it = sg[ clip(r_it, 1 - eps_low, 1 + eps_high) ]
+        J    = (1 / sum_i |o_i|) sum_i sum_t  w_it A_it log pi(o_it)      (token-mean)
+    and the loss is -J. Unlike PPO no token loses its gradient: a clipped ratio only
+    caps the weight. (The paper leaves the lower bound open: a clip_ratio_low near 1.)
+    stats: `pg_loss`, `pg_clipfrac` (share of tokens whose weight was capped),
+    `pg_clipfrac_lower` (0), `ppo_kl`, `is_weight_mean`.
+    """
+    where = "cispo_policy_loss"
+    check_ndim(where, "logprobs", logprobs, 2, "[B, T]")
+    check_same_shape(
+        where, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask
+    )
+    clip_ratio_high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
+    _check_clip(where, clip_ratio_low, clip_ratio_high)
+    m = as_bool_mask(mask)
+    logprobs, old_logprobs = zero_padding(logprobs, m), zero_padding(old_logprobs, m)
+    adv = zero_padding(advantages, m)
+    log_ratio = (logprobs.detach() - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    w = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # no grad: from detached
+    loss_mat = -w * adv * logprobs
+    loss = aggregate(_weighted(loss_mat, weights, m), m, agg, denom=denom, norm_len=norm_len)
+    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
+    stats = {
+        "pg_loss": loss.detach(),
+        "pg_clipfrac": masked_mean((w != ratio).to(adv.dtype), m).detach(),
+        "pg_clipfrac_lower": zero,
+        "ppo_kl": masked_mean(-log_ratio, m).detach(),
+        "is_weight_mean": masked_mean(w, m).detach(),
+    }
+    return loss, stats
+
+
+_POLICY_LOSS_FNS = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
+
+
+def policy_loss(
+    name: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float | None,
+    agg: str,
+    *,
+    dual_clip_c: float | None = None,
+    denom: float | torch.Tensor | None = None,
+    norm_len: float | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss `name` (one of POLICY_LOSSES) with the shared arguments; dual-clip
+    is PPO's alone (other losses refuse it rather than ignore it)."""
+    fn = _POLICY_LOSS_FNS.get(name)
+    if fn is None:
+        raise AlgorithmInputError(f"policy_loss: unknown {name!r}; choose one of {POLICY_LOSSES}")
+    if name == "ppo":
+        return ppo_policy_loss(
+            logprobs, old_logprobs, advantages, mask, clip_ratio_low, clip_ratio_high,
+            dual_clip_c, agg, denom=denom, norm_len=norm_len, weights=weights,
+        )  # fmt: skip
+    if dual_clip_c is not None:
+        raise AlgorithmInputError(f"policy_loss({name}): dual_clip_c is PPO's; leave it unset")
+    return fn(
+        logprobs, old_logprobs, advantages, mask, clip_ratio_low, clip_ratio_high, agg,
+        denom=denom, norm_len=norm_len, weights=weights,
+    )  # fmt: skip
 
 
 def value_loss(
@@ -159,6 +336,7 @@ def value_loss(
     agg: str = "token-mean",
     *,
     denom: float | torch.Tensor | None = None,
+    norm_len: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old +- clip_range) - R)^2).
 
@@ -185,7 +363,7 @@ def value_loss(
         loss_clipped = (v_clipped - returns) ** 2
         loss_mat = torch.maximum(loss_unclipped, loss_clipped)
         clipfrac = masked_mean((loss_clipped > loss_unclipped).to(values.dtype), m)
-    loss = 0.5 * aggregate(loss_mat, m, agg, denom=denom)
+    loss = 0.5 * aggregate(loss_mat, m, agg, denom=denom, norm_len=norm_len)
     stats = {
         "vf_loss": loss.detach(),
         "vf_clipfrac": clipfrac.detach(),
@@ -234,13 +412,14 @@ def entropy_bonus(
     agg: str = "token-mean",
     *,
     denom: float | torch.Tensor | None = None,
+    norm_len: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The term to ADD to the policy loss for an entropy bonus: -coef * aggregate(entropy).
 
     `entropy` [B, T] (from `entropy_from_logits`, with grad), `mask` [B, T].
     stats: `entropy` (aggregated, unscaled).
     """
-    ent = aggregate(entropy, mask, agg, denom=denom)
+    ent = aggregate(entropy, mask, agg, denom=denom, norm_len=norm_len)
     return -coef * ent, {"entropy": ent.detach()}
 
 

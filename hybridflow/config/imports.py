@@ -10,17 +10,43 @@ key that held the string, saying whether the module or the attribute is missing.
     load_attr("pkg.mod:fn", "dataflow[3].op")                         -> the object
 
 Invariants: a string is imported with `importlib` and `getattr`, never `eval`'d;
-`split_spec` imports nothing (safe at build time, before any process exists).
+`split_spec` imports nothing (safe at build time, before any process exists); inside
+`cwd_off_path()` (what `hybridflow validate` uses) nothing loads from the working
+directory unless it is named in PYTHONPATH.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from hybridflow.errors import ConfigError
 
-__all__ = ["load_attr", "split_spec"]
+__all__ = ["cwd_off_path", "load_attr", "split_spec"]
+
+
+@contextlib.contextmanager
+def cwd_off_path(*, allow: bool = False) -> Iterator[None]:
+    """While inside, the working directory is off `sys.path` (the implicit entry that
+    `python -m`, `-c` and a REPL put first: a `json.py` there would shadow the real one),
+    unless PYTHONPATH names it or `allow`. What `python -P` does for a whole process."""
+    if allow:
+        yield
+        return
+    cwd = os.path.realpath(os.getcwd())
+    named = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    saved = list(sys.path)
+    sys.path[:] = [
+        p for p in saved if os.path.realpath(p or ".") != cwd or os.path.realpath(p) in named
+    ]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
 
 
 def split_spec(spec: object, path: str, *, form: str = "package.module:attr") -> tuple[str, str]:

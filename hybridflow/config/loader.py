@@ -12,6 +12,13 @@ list[T], tuple[T, ...], dict[str, T], nested dataclasses, and `Any` (kept as is;
 backend-specific `options`). `--set a.b=c` overrides are parsed as YAML scalars; a
 numeric part indexes a list (`dataflow.3.params.kl_coef=0.1`).
 
+YAML is read by `parse_yaml`, which refuses what `yaml.safe_load` lets through:
+  - duplicate keys     -> ConfigError("run.steps", "duplicate key in f.yaml: line 3 and line 9")
+  - alias bombs        -> a document whose aliases expand to more than MAX_YAML_NODES nodes
+                          (or refer to themselves) is refused before anything walks it
+  - nesting deeper than the parser's recursion -> ConfigError naming the file
+Numbers: a `float` field takes finite numbers only (`.nan`, `.inf` name their key).
+
 Invariant: a successfully loaded config is fully typed and validated; nothing downstream
 re-checks types.
 """
@@ -23,6 +30,7 @@ import difflib
 import enum
 import hashlib
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -36,19 +44,93 @@ from hybridflow.errors import ConfigError
 T = TypeVar("T")
 
 
+# A topology is a few hundred nodes; aliases may share subtrees, but a document that
+# would expand to more than this is an alias bomb (or a mistake), never a config.
+MAX_YAML_NODES = 100_000
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError("", f"config file {str(p)!r} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())  # safe_load: YAML tags never construct objects
-    except yaml.YAMLError as exc:
-        raise ConfigError("", f"{p}: not valid YAML: {exc}") from exc
+    data = parse_yaml(p.read_text(), str(p))
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("", f"{p}: top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """`yaml.safe_load(text)` (tags never construct objects), with the checks of the
+    module docstring run on the composed node graph before anything is constructed.
+    `where` names the source (a file, `--set key`) in errors."""
+    loader = yaml.SafeLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_nodes(node, where)
+            return loader.construct_document(node)
+        except yaml.YAMLError as exc:
+            raise ConfigError("", f"{where}: not valid YAML: {exc}") from exc
+        except RecursionError:
+            raise ConfigError("", f"{where}: nested too deeply to be a config") from None
+    finally:
+        loader.dispose()
+
+
+def _check_nodes(root: yaml.Node, where: str) -> None:
+    """Duplicate keys (named by dotted path and both lines) and the expanded size.
+
+    Each node is visited once (an alias is the same node object as its anchor), so this
+    is linear in the document's text; `expanded` counts what a walk of the constructed
+    data would visit: a node reached through k aliases counts k times."""
+    expanded: dict[int, int] = {}
+    visiting: set[int] = set()
+
+    def size(node: yaml.Node, path: str) -> int:
+        key = id(node)
+        if key in expanded:
+            return expanded[key]
+        if key in visiting:
+            raise ConfigError(path, f"{where}: an alias refers to a node that contains it")
+        visiting.add(key)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for k, v in node.value:
+                name = k.value if isinstance(k, yaml.ScalarNode) else None
+                sub = f"{path}.{name}" if path else str(name)
+                if name is not None and name != "<<":  # `<<` merge keys may repeat
+                    line = k.start_mark.line + 1
+                    if name in seen:
+                        raise ConfigError(
+                            sub,
+                            f"duplicate key in {where}: line {seen[name]} and line {line}; "
+                            "a mapping takes each key once",
+                        )
+                    seen[name] = line
+                total += size(k, sub) + size(v, sub)
+                if total > MAX_YAML_NODES:
+                    break
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                total += size(v, f"{path}[{i}]")
+                if total > MAX_YAML_NODES:
+                    break
+        visiting.discard(key)
+        if total > MAX_YAML_NODES:
+            raise ConfigError(
+                path,
+                f"{where}: expands to more than {MAX_YAML_NODES} nodes through YAML aliases "
+                "(an alias bomb?); write the values out",
+            )
+        expanded[key] = total
+        return total
+
+    size(root, "")
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -60,9 +142,9 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         if not sep or not key:
             raise ConfigError(key or item, "override must look like KEY=VALUE, e.g. run.steps=3")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(key, f"override value {raw!r} is not valid YAML: {exc}") from exc
+            value = parse_yaml(raw, f"--set {key}") if raw.strip() else ""
+        except ConfigError as exc:
+            raise ConfigError(key, f"override value {raw!r} refused: {exc}") from exc
         node: Any = out
         parts = key.split(".")
         for i, part in enumerate(parts):
@@ -210,7 +292,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         raise ConfigError(path, f"expected int, got {_describe(value)}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int beyond float range (10**400)
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(path, f"must be a finite number, got {value!r}")
+            return number
         raise ConfigError(path, f"expected a number, got {_describe(value)}")
     if tp is str:
         if isinstance(value, str):

@@ -9,6 +9,8 @@ A topology file (YAML) names
     coordinator process" (advantages and other cheap batch math);
   - `data`: the prompt source and the value names it provides per sample;
   - `run`: steps, samples per step, micro-batch size, `max_offpolicy_steps`, mode.
+  - `checkpoint` (optional): where, how often and how many checkpoints the run keeps
+    (`hybridflow run CONFIG --resume` continues from one).
 
 Consumes plain data (via `loader.from_dict`); produces a validated `Topology`.
 Invariant: a `Topology` that exists passed every check here; checks that need the
@@ -19,6 +21,7 @@ Every error is a `ConfigError` whose path is the dotted key and whose text says 
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from dataclasses import dataclass, field
@@ -61,9 +64,7 @@ def _at_most(value: float, high: float, path: str, why: str) -> None:
 
 
 def _finite_positive(value: float, path: str) -> None:
-    _require(
-        0 < value < math.inf, path, f"must be a finite number of seconds > 0, got {value}"
-    )
+    _require(0 < value < math.inf, path, f"must be a finite number of seconds > 0, got {value}")
 
 
 # Upper bounds on sizes the runtime allocates for (a step's samples, its micro-batch
@@ -101,9 +102,7 @@ class RunConfig:
         _at_most(
             self.step_batch, MAX_STEP_BATCH, _join(path, "step_batch"), "samples held per step"
         )
-        _at_most(
-            self.max_inflight, MAX_INFLIGHT, _join(path, "max_inflight"), "tasks per replica"
-        )
+        _at_most(self.max_inflight, MAX_INFLIGHT, _join(path, "max_inflight"), "tasks per replica")
         _at_most(
             self.step_batch // self.micro_batch,
             MAX_MICRO_BATCHES,
@@ -257,6 +256,11 @@ class OpConfig:
                 sub,
                 f"must be a scalar (number, string, bool, null), got {type(value).__name__}",
             )
+            _require(
+                not isinstance(value, float) or math.isfinite(value),
+                sub,
+                f"must be a finite number, got {value!r}",
+            )
 
 
 @dataclass(frozen=True)
@@ -304,12 +308,51 @@ class TransportConfig:
         _at_least(self.hwm, 1, _join(path, "hwm"))
         _at_most(self.hwm, MAX_HWM, _join(path, "hwm"), "messages queued per socket")
         _at_least(self.shm_threshold, 0, _join(path, "shm_threshold"))
+        # Peers prove themselves with the run's secret, but nothing encrypts the sockets and
+        # the rendezvous ports: off this host that needs CurveZMQ (not implemented yet).
+        if not _is_loopback(self.host):
+            raise ConfigError(
+                _join(path, "host"),
+                f"{self.host!r} is not a loopback address; no authentication of peers off "
+                "this host yet: CurveZMQ is not implemented; bind loopback (127.0.0.1)",
+            )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
     # Names of registered sinks (hybridflow.pipeline.observe.metrics): jsonl, memory, ...
     backends: tuple[str, ...] = ("jsonl",)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often a run checkpoints (pipeline/checkpoint/store.py writes them).
+
+    The YAML `checkpoint:` section and the Python API's `Engine.save_checkpoint` both
+    make one. A checkpoint is taken after every `save_interval` steps and after the last
+    step; `keep_last` complete checkpoints are kept; `export_final` writes the final
+    policy into the last one (`policy/`, save_pretrained)."""
+
+    save_dir: str = ""  # "" = <run_dir>/checkpoints (a topology's; the API requires one)
+    save_interval: int = 0  # steps between checkpoints; 0: only after the last step
+    keep_last: int = 3  # complete checkpoints kept (older ones deleted); 0: keep all
+    export_final: bool = True  # save_pretrained the policy into the final checkpoint
+
+    def validate(self, path: str = "") -> None:
+        _at_least(self.save_interval, 0, _join(path, "save_interval"))
+        _at_least(self.keep_last, 0, _join(path, "keep_last"))
+
+
+MAX_SEED = (1 << 63) - 1  # torch, NumPy and the data sources take a 64-bit seed
 
 
 @dataclass(frozen=True)
@@ -327,8 +370,14 @@ class Topology:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log_level: str = "WARNING"
     run_dir: str = ""  # "" = runs/<name>
+    checkpoint: CheckpointConfig | None = None  # None: no checkpoints
 
     def validate(self, path: str) -> None:
+        _require(
+            0 <= self.seed <= MAX_SEED,
+            _join(path, "seed"),
+            f"must be in 0 .. 2**63-1, got {self.seed}",
+        )
         _require(
             bool(_NAME.match(self.name)),
             _join(path, "name"),

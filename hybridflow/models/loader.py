@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 
 from hybridflow.errors import ConfigError
-from hybridflow.models.presets import DROPOUT_KEYS, PRESETS, preset_config
+from hybridflow.models.presets import DROPOUT_KEYS, PRESETS, check_overrides, preset_config
 from hybridflow.models.tokenizer import builtin_tokenizer
 
 ModelKind = Literal["causal_lm", "value", "reward"]
@@ -62,6 +62,10 @@ class ModelOptions:
                 f"{path}.model" if path else "model",
                 f"is required: a local model directory or a preset ({', '.join(PRESETS)})",
             )
+        if self.model_overrides:
+            name = self.model.removeprefix("preset:")
+            sub = f"{path}.model_overrides" if path else "model_overrides"
+            check_overrides(name, self.model_overrides, sub)
 
 
 def resolve_model(spec: str, path: str = "model") -> tuple[Literal["dir", "preset"], str]:

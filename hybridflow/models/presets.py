@@ -139,6 +139,56 @@ def get_preset(name: str, path: str = "model") -> Preset:
         ) from None
 
 
+# The shape fields an override may resize, and the largest model a preset may become:
+# a typo such as `hidden_size: 100000000` must fail at validate naming its key, not as
+# an allocation error deep inside model construction.
+_SIZE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "vocab_size",
+    "head_dim",
+)
+MAX_SIZE = 1 << 20  # any one dimension
+MAX_PARAMS = 200_000_000_000  # ~ 800 GB in float32
+
+
+def check_overrides(name: str, overrides: dict[str, Any], path: str) -> None:
+    """Values of `model_overrides` (ConfigError naming `<path>.<key>`): scalars, finite
+    numbers, sizes in 1..MAX_SIZE, and a model of at most MAX_PARAMS parameters (an
+    estimate from the preset's shape: embeddings + attention + MLP per layer)."""
+    import math
+
+    for key, value in overrides.items():
+        sub = f"{path}.{key}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(sub, f"must be a finite number, got {value!r}")
+        if key in _SIZE_KEYS:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(sub, f"must be an int, got {type(value).__name__} {value!r}")
+            if not 1 <= value <= MAX_SIZE:
+                raise ConfigError(sub, f"must be in 1 .. {MAX_SIZE}, got {value}")
+        elif value is not None and not isinstance(value, (bool, int, float, str)):
+            raise ConfigError(sub, f"must be a scalar, got {type(value).__name__}")
+    preset = PRESETS.get(name)
+    if preset is None:
+        return
+    shape = {**preset.shape, **overrides}
+    h, i = int(shape.get("hidden_size", 0)), int(shape.get("intermediate_size", 0))
+    layers = int(shape.get("num_hidden_layers", 0))
+    vocab = int(shape.get("vocab_size", preset.vocab_size or 0))
+    params = layers * (4 * h * h + 3 * h * i) + 2 * vocab * h
+    if params > MAX_PARAMS:
+        raise ConfigError(
+            path,
+            f"would make preset {name!r} a model of ~{params:.3g} parameters (at most "
+            f"{MAX_PARAMS:.0e}); check hidden_size, intermediate_size, num_hidden_layers",
+        )
+
+
 def preset_config(
     name: str,
     *,

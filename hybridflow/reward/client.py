@@ -14,6 +14,8 @@ and by anything else that wants to call a reward service from asyncio.
                          request_id; after `retries` retries apply the failure policy
         other 4xx     -> RewardServiceError at once (a bad request or bad credentials
                          will not get better by asking again)
+        3xx           -> RewardServiceError at once naming the target: redirects are
+                         followed only with `follow_redirects: true` (HTTP)
       failure policy: "fail"      -> RewardServiceError(service, last status, sample ids)
                       fallback: x -> those samples get x, counted in `failures`, warning
 
@@ -84,6 +86,7 @@ class ClientConfig:
     token_env: str | None = None  # name of an env var holding a bearer token (HTTP)
     on_failure: Literal["fail"] | FallbackPolicy = "fail"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger replies are protocol errors
+    follow_redirects: bool = False  # HTTP: a 3xx is an error unless this is true
 
     def validate(self, path: str) -> None:
         def need(ok: bool, key: str, what: str, value: object) -> None:
@@ -211,6 +214,12 @@ class RewardClient:
                     max_body_bytes=cfg.max_body_bytes,
                 )
             last, last_status = f"status {answer.status}: {self._why(answer)}", str(answer.status)
+            if 300 <= answer.status < 400:
+                last = (
+                    f"answered status {answer.status}, a redirect to {answer.location!r}, "
+                    "which is not followed (set the option follow_redirects: true to follow it)"
+                )
+                raise self._error(req, str(answer.status), last, RewardServiceError)
             if answer.status not in RETRYABLE_STATUS:
                 raise self._error(req, str(answer.status), last, RewardServiceError)
             retry_after = answer.retry_after_s
@@ -309,12 +318,15 @@ def make_client(
             max_connections=config.max_concurrency,
             max_body_bytes=config.max_body_bytes,
             token=config.token(path),
+            follow_redirects=config.follow_redirects,
         )
     else:
         if config.token_env:
             raise ConfigError(
                 f"{key}token_env", "applies to http services only; zmq services bind to loopback"
             )
+        if config.follow_redirects:
+            raise ConfigError(f"{key}follow_redirects", "applies to http services only")
         if not address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"{key}endpoint", f"expected tcp://host:port, got {address!r}")
         transport = ZmqTransport(address, max_body_bytes=config.max_body_bytes)

@@ -21,9 +21,10 @@ rest. Sample ids are opaque strings, unique within a run; a service echoes them 
 Validation lives here, in exactly two functions, one per direction:
   - `decode_request` (server side) raises `RequestRejected(status, message)`;
   - `decode_reply`   (client side) raises `RewardProtocolError` naming the service and
-    the sample ids. Missing, extra or duplicate ids, a wrong count, NaN/inf, non-numbers,
-    an oversize body, a wrong version or a mismatched request_id are all protocol errors:
-    a broken reply never turns into a zero.
+    the sample ids. Missing, extra or duplicate ids, a wrong count, NaN/inf, a number
+    beyond float32's range (it would become inf in the float32 `rewards` tensor),
+    non-numbers, an oversize body, a wrong version or a mismatched request_id are all
+    protocol errors: a broken reply never turns into a zero.
 
 Unknown keys are ignored in both directions so that a service can add diagnostics and a
 future client can add fields without a version bump; anything that changes the meaning
@@ -42,6 +43,8 @@ from hybridflow.errors import RewardProtocolError
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: a batch of 256 samples x 16k tokens fits twice
+# Rewards land in a float32 tensor: anything larger in magnitude would become +-inf there.
+FLOAT32_MAX = 3.4028234663852886e38
 
 Encoding = Literal["json", "msgpack"]
 SampleId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -186,7 +189,8 @@ def decode_reply(
     """Validate a 200 reply against the request it answers; returns id -> Reward.
 
     Every id of the request appears exactly once, nothing else does, every reward is a
-    finite number. Anything else raises RewardProtocolError naming service and ids.
+    number finite in float32. Anything else raises RewardProtocolError naming service and
+    ids.
     """
     ids = tuple(item.id for item in request.items)
 
@@ -216,6 +220,11 @@ def decode_reply(
             raise bad(f"duplicate id {r.id!r} in reply")
         if not math.isfinite(r.reward):
             raise bad(f"reward for {r.id!r} is {r.reward} (must be finite)")
+        if abs(r.reward) > FLOAT32_MAX:
+            raise bad(
+                f"reward for {r.id!r} is {r.reward}, beyond float32's range "
+                f"(|reward| <= {FLOAT32_MAX:.4g}; it would become inf in training)"
+            )
         out[r.id] = r
     wanted = set(ids)
     extra = sorted(set(out) - wanted)

@@ -45,6 +45,7 @@ class Answer:
     status: int  # HTTP-style status code
     body: bytes  # at most max_body_bytes + 1 bytes: longer bodies are cut (and rejected)
     retry_after_s: float | None = None  # from a Retry-After header (HTTP 429/503)
+    location: str | None = None  # a redirect's target (HTTP 3xx), reported, not followed
 
 
 class Transport(Protocol):
@@ -63,12 +64,21 @@ class Transport(Protocol):
 
 
 class HttpTransport:
-    """POST JSON to `url`; GET `/health` on the same host. One pooled session per loop."""
+    """POST JSON to `url`; GET `/health` on the same host. One pooled session per loop.
+
+    Redirects are not followed unless `follow_redirects` (a 3xx comes back as an Answer):
+    a redirect would silently send samples, and the bearer token, to another address."""
 
     encoding: Encoding = "json"
 
     def __init__(
-        self, url: str, *, max_connections: int, max_body_bytes: int, token: str | None
+        self,
+        url: str,
+        *,
+        max_connections: int,
+        max_body_bytes: int,
+        token: str | None,
+        follow_redirects: bool = False,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -77,6 +87,7 @@ class HttpTransport:
         self._health_url = urlunsplit((parts.scheme, parts.netloc, "/health", "", ""))
         self._max_connections = max_connections
         self._max_body = max_body_bytes
+        self._follow_redirects = follow_redirects
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -98,10 +109,19 @@ class HttpTransport:
         session = self._get_session()
         try:
             async with session.request(
-                method, url, data=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                method,
+                url,
+                data=body,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                allow_redirects=self._follow_redirects,
             ) as resp:
                 data = await read_capped(resp.content, self._max_body + 1)
-                return Answer(resp.status, data, _retry_after(resp.headers.get("Retry-After")))
+                return Answer(
+                    resp.status,
+                    data,
+                    _retry_after(resp.headers.get("Retry-After")),
+                    resp.headers.get("Location"),
+                )
         except TimeoutError as exc:
             raise TransportFailure(f"no answer within timeout_s={timeout_s}") from exc
         except aiohttp.ClientError as exc:

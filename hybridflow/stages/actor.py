@@ -13,6 +13,10 @@ Ops (every batch uses the sequence layout of stages/common.py: prompt_ids/prompt
                                                    before this step's first update)
                   + ref_logprobs  [B, R]           required iff kl_loss_coef > 0; else
                                                    only reported as actor/kl
+                  + <rollout_logprob_key> [B, R]   required iff rollout_correction is set
+                  + sample_mask   [B]              optional: rows with 0 are left out of
+                                                   the loss and its denominator (the
+                                                   advantages op's dynamic sampling)
                   -> {}  metrics: this micro-batch's actor/pg_loss, ... (streamed mode)
   sft_update      supervised NLL of the response tokens (SFT-then-RL); -> {}
   optimizer_step  (no batch) -> {}  metrics actor/pg_loss, actor/pg_clipfrac,
@@ -30,8 +34,15 @@ Ops (every batch uses the sequence layout of stages/common.py: prompt_ids/prompt
                   weights/bytes. Buckets hold whole parameters, <= weight_bucket_mb each.
 
 How micro-batches, ppo_epochs and mini_batches map onto these events: see trainer.py.
-The loss: PPO clip (clip_ratio_low/high, dual_clip_c) - entropy_coef * entropy
-+ kl_loss_coef * KL(kl_loss_type), all aggregated by `loss_agg_mode` (hybridflow.algos).
+The loss: `policy_loss` (ppo: clip with clip_ratio_low/high, dual_clip_c | gspo:
+sequence ratio and clip | cispo: clipped IS weight x log-prob) - entropy_coef * entropy
++ kl_loss_coef * KL(kl_loss_type), all aggregated by `loss_agg_mode` (Dr. GRPO's
+seq-mean-token-sum-norm divides by the constant `loss_norm_len`; hybridflow.algos).
+Rollout correction (`rollout_correction: tis | mis`): the policy loss is weighted by
+pi_old / mu between `old_logprob_key` (the actor's) and `rollout_logprob_key` (the
+sampler's) log-probs; MIS drops whole sequences from the loss and its denominator.
+Metrics actor/rollout_corr/{mismatch_kl, mismatch_k3, weight_mean, weight_max,
+masked_frac} (weight_max: the mean of micro-batch maxima).
 
 Invariants: the policy version is the number of optimizer steps taken; weights leave
 detached; `state_dict` holds weights, optimizer, scheduler, RNG and the version.
@@ -41,12 +52,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from hybridflow.algos.kl import kl_estimate, kl_loss
-from hybridflow.algos.losses import aggregate, entropy_bonus, ppo_policy_loss
+from hybridflow.algos.correction import rollout_correction
+from hybridflow.algos.kl import KL_ALIASES, KL_KINDS, kl_estimate, kl_loss
+from hybridflow.algos.losses import aggregate, entropy_bonus, policy_loss
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.loader import ModelOptions
@@ -74,8 +86,18 @@ class ActorOptions(ModelOptions, TrainOptions):
     dual_clip_c: float | None = None  # > 1 enables dual-clip
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0  # > 0: KL to the reference as a loss term (GRPO)
-    kl_loss_type: str = "k3"  # k1 | k2 | k3 (or kl | mse | low_var_kl)
+    kl_loss_type: str = "k3"  # k1 | k2 | k3 | abs | k1+ | k3+ (or kl | mse | low_var_kl)
     old_logprob_key: str = "old_logprobs"  # e.g. rollout_logprobs to use the sampler's
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    loss_norm_len: int = 0  # seq-mean-token-sum-norm's constant (e.g. max_new_tokens)
+    rollout_correction: Literal["tis", "mis"] | None = None  # weights pi_old / mu
+    rollout_logprob_key: str = "rollout_logprobs"  # the sampler's log-probs (mu)
+    rollout_is_cap: float = 2.0  # TIS: token weights truncated at this C
+    rollout_mis_low: float = 0.5  # MIS: keep sequences whose ratio is in [low, high]
+    rollout_mis_high: float = 2.0
     rollout_role: str = "rollout"  # colocated role that `reshard` writes into
     weight_bucket_mb: float = 64.0
     gradient_checkpointing: bool = False
@@ -85,8 +107,35 @@ class ActorOptions(ModelOptions, TrainOptions):
         TrainOptions.validate(self, path)
         if self.temperature <= 0:
             raise ConfigError(f"{path}.temperature", f"must be > 0, got {self.temperature}")
-        if self.kl_loss_type not in ("k1", "k2", "k3", "kl", "mse", "low_var_kl"):
-            raise ConfigError(f"{path}.kl_loss_type", "must be k1, k2 or k3")
+        if self.kl_loss_type not in (*KL_KINDS, *KL_ALIASES):
+            raise ConfigError(
+                f"{path}.kl_loss_type",
+                f"must be one of {', '.join(KL_KINDS)} (or {', '.join(KL_ALIASES)}), "
+                f"got {self.kl_loss_type!r}",
+            )
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_norm_len <= 0:
+            raise ConfigError(
+                f"{path}.loss_norm_len",
+                "loss_agg_mode seq-mean-token-sum-norm divides by a fixed length: set "
+                "loss_norm_len > 0 (Dr. GRPO uses the generation budget, max_new_tokens)",
+            )
+        if self.dual_clip_c is not None and self.policy_loss != "ppo":
+            raise ConfigError(f"{path}.dual_clip_c", f"is PPO's; unset it for {self.policy_loss}")
+        if self.rollout_correction is not None:
+            if self.rollout_logprob_key == self.old_logprob_key:
+                raise ConfigError(
+                    f"{path}.rollout_logprob_key",
+                    f"rollout_correction weighs {self.old_logprob_key} (the actor's) against "
+                    "the sampler's log-probs: they must be different inputs (set "
+                    "old_logprob_key: old_logprobs and add an actor.get_logprob op)",
+                )
+            if self.rollout_is_cap <= 0:
+                raise ConfigError(f"{path}.rollout_is_cap", "must be > 0")
+            if not 0.0 <= self.rollout_mis_low <= 1.0 <= self.rollout_mis_high:
+                raise ConfigError(
+                    f"{path}.rollout_mis_low",
+                    "need 0 <= rollout_mis_low <= 1 <= rollout_mis_high",
+                )
         if self.weight_bucket_mb <= 0:
             raise ConfigError(f"{path}.weight_bucket_mb", "must be > 0")
 
@@ -204,6 +253,14 @@ class Actor(RoleBase):
             mb["ref_logprobs"] = _field(batch, "ref_logprobs", mask, where)
         elif o.kl_loss_coef > 0:
             raise BatchError(f"{where}: kl_loss_coef > 0 needs `ref_logprobs` in the batch")
+        if o.rollout_correction is not None:
+            mb["rollout_logprobs"] = _field(batch, o.rollout_logprob_key, mask, where)
+        if "sample_mask" in batch:  # [B] rows the advantages op kept (dynamic sampling)
+            keep = batch["sample_mask"]
+            if keep.shape != mask.shape[:1]:
+                raise BatchError(f"{where}: sample_mask is {tuple(keep.shape)}, expected [B]")
+            # The loss mask only: the forward pass still sees the whole sequence.
+            mb["loss_mask"] = mask * (keep != 0).to(mask.dtype).unsqueeze(-1)
         return t.add(mb, self._ppo_loss)
 
     def sft_update(self, batch: Batch) -> Metrics:
@@ -223,45 +280,75 @@ class Actor(RoleBase):
         o = self.opts
         assert o is not None
         dev, agg = self.device, o.loss_agg_mode
-        mask = mb["response_mask"].to(dev)
+        norm_len = float(o.loss_norm_len) if o.loss_norm_len > 0 else None
+        mask = mb.get("loss_mask", mb["response_mask"]).to(dev)
+        old_logprobs = mb["old_logprobs"].to(dev, torch.float32)
+        stats: dict[str, float] = {}
+        weights = None
+        if o.rollout_correction is not None:
+            corr = rollout_correction(
+                old_logprobs,
+                mb["rollout_logprobs"].to(dev, torch.float32),
+                mask,
+                o.rollout_correction,
+                cap=o.rollout_is_cap,
+                low=o.rollout_mis_low,
+                high=o.rollout_mis_high,
+            )
+            weights, mask = corr.weights, corr.mask.to(mask.dtype)
+            stats |= {f"rollout_corr/{k}": float(v) for k, v in corr.stats.items()}
+        count = denominator(mask, agg)
+        if count == 0:  # every row dropped (dynamic sampling / MIS): nothing to learn here
+            return torch.zeros((), device=dev, requires_grad=True), 0, stats
         logprobs, entropy = response_logprobs(
             self.model, mb, dev, o.temperature, with_entropy=True, entropy_grad=o.entropy_coef != 0
         )
         assert entropy is not None
-        count = denominator(mask, agg)
-        loss, st = ppo_policy_loss(
+        loss, st = policy_loss(
+            o.policy_loss,
             logprobs,
-            mb["old_logprobs"].to(dev, torch.float32),
+            old_logprobs,
             mb["advantages"].to(dev, torch.float32),
             mask,
             o.clip_ratio_low,
             o.clip_ratio_high,
-            o.dual_clip_c,
             agg,
+            dual_clip_c=o.dual_clip_c,
             denom=1.0,
+            norm_len=norm_len,
+            weights=weights,
         )
-        stats = {
-            "pg_loss": float(st["pg_loss"]) / max(count, 1),
+        stats |= {
+            "pg_loss": float(st["pg_loss"]) / count,
             "pg_clipfrac": float(st["pg_clipfrac"]),
             "pg_clipfrac_lower": float(st["pg_clipfrac_lower"]),
             "ppo_kl": float(st["ppo_kl"]),
-            "entropy": float(aggregate(entropy.detach(), mask, agg)),
+            "entropy": float(aggregate(entropy.detach(), mask, agg, norm_len=norm_len)),
         }
         if o.entropy_coef != 0:
-            bonus, _ = entropy_bonus(entropy, mask, o.entropy_coef, agg, denom=1.0)
+            bonus, _ = entropy_bonus(
+                entropy, mask, o.entropy_coef, agg, denom=1.0, norm_len=norm_len
+            )
             loss = loss + bonus
         if "ref_logprobs" in mb:
             ref = mb["ref_logprobs"].to(dev, torch.float32)
             if o.kl_loss_coef > 0:
                 term, kst = kl_loss(
-                    logprobs, ref, mask, o.kl_loss_coef, o.kl_loss_type, agg, denom=1.0
+                    logprobs,
+                    ref,
+                    mask,
+                    o.kl_loss_coef,
+                    o.kl_loss_type,
+                    agg,
+                    denom=1.0,
+                    norm_len=norm_len,
                 )
                 loss = loss + term
-                stats["kl"] = float(kst["kl_loss"]) / max(count, 1)
+                stats["kl"] = float(kst["kl_loss"]) / count
             else:
                 with torch.no_grad():
                     kl = kl_estimate(logprobs.detach(), ref, o.kl_loss_type, mask)
-                    stats["kl"] = float(aggregate(kl, mask, agg))
+                    stats["kl"] = float(aggregate(kl, mask, agg, norm_len=norm_len))
         return loss, count, stats
 
     def _sft_loss(self, mb: Batch) -> tuple[torch.Tensor, int, dict[str, float]]:

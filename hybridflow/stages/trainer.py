@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -183,7 +184,11 @@ class Trainer:
                         self._accumulate(*self._kept[i])
                     self._apply()
         self._kept.clear()
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # A step whose rows were all left out (dynamic sampling, MIS) applies no
+            # update, yet the schedule counts RL steps: torch's order warning is moot.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step")
+            self.scheduler.step()
         metrics = {
             f"{self.prefix}/{k}": self._stat_sum[k] / self._stat_weight[k]
             for k in self._stat_sum

@@ -25,7 +25,8 @@ re-read ZMQ_EVENTS, and any operation of ours wakes the other waiters to re-chec
 
 Invariants:
   - a malformed message never kills a receiver: `recv` logs it, counts it in
-    `bad_messages` and waits for the next one;
+    `bad_messages`, tells `on_bad_message` (its owner decides whether the loss is an
+    error: a stage's task, a result the coordinator waits for) and waits for the next one;
   - every wait is bounded by a timeout whose error names the setting to raise, and, with
     a `PeerTable`, by the peers' heartbeat deadline (`PeerDeadError` names the peer);
   - `Release` messages are consumed here, never returned by `recv`;
@@ -37,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -68,7 +69,10 @@ _MAX_PARTS = protocol.MAX_FRAMES + 3  # identity + kind + header + buffers
 class Received:
     msg: Msg
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    peer: bytes | None = None  # ROUTER only: identity to reply to
+    peer: bytes | None = None  # ROUTER only: identity to reply to (the admitted name if gated)
+    # False: a gated ROUTER got this from a connection it has not admitted; `peer` is then
+    # the raw connection identity (answer with `reply`), and no tensors were decoded.
+    trusted: bool = True
 
 
 class Channel:
@@ -77,6 +81,15 @@ class Channel:
     `peers`: an optional liveness table (liveness.py). Every message marks its sender as
     seen (key: ROUTER identity, or None for the single peer of other sockets), and waits
     end with `PeerDeadError`/`StageDeadError` when a watched peer goes silent.
+
+    `gated` (ROUTER only): peers must be admitted by the owner (`admit(connection, name)`,
+    after it checked their Hello: transport/auth.py) before anything of theirs is acted
+    on. Until then `recv` returns their tensor-less messages with `trusted=False` and the
+    raw connection identity, and drops messages with tensors and `Release`s after the
+    header (`untrusted_dropped`): no shared memory or CUDA IPC handle they name is ever
+    opened, mapped or unlinked, and their malformed messages never reach `on_bad_message`.
+    Admitted peers are known by their name on both paths (`send(to=name)`,
+    `Received.peer == name`), whatever connection identity they use.
     """
 
     def __init__(
@@ -95,13 +108,25 @@ class Channel:
         peers: PeerTable | None = None,
         shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES,
         shm_inflight_bytes: int = DEFAULT_SHM_INFLIGHT_BYTES,
+        gated: bool = False,
+        listen_fd: int = -1,
     ) -> None:
         if kind not in _ZMQ_TYPES:
             raise ValueError(f"channel {name}: socket kind {kind!r} not in {sorted(_ZMQ_TYPES)}")
+        if gated and kind != "router":
+            raise ValueError(f"channel {name}: only a ROUTER can be gated")
+        self.gated = gated
+        self.untrusted_dropped = 0  # messages of peers not admitted, dropped after the header
+        self._conn_of: dict[bytes, bytes] = {}  # admitted name -> connection identity
+        self._name_of: dict[bytes, bytes] = {}  # connection identity -> admitted name
         self.name = name
         self.kind = kind
         self.peers = peers
         self.bad_messages = 0
+        # Called as (peer, error, the message's header body or None) for every message
+        # dropped as malformed; the owner turns a lost message it was waiting for into
+        # an error (a Channel only counts and logs).
+        self.on_bad_message: Callable[[bytes | None, ProtocolError, Msg | None], None] | None = None
         self.acks_received = 0  # Release messages consumed here
         self._router = kind == "router"
         self._ctx = context or zmq.Context.instance()
@@ -122,6 +147,11 @@ class Channel:
             shm_inflight_bytes=shm_inflight_bytes,
             on_outbox=self._outbox_ready,
         )
+        if listen_fd >= 0:
+            # A TCP socket the launcher bound and listens on (the kernel picked the port and
+            # it was never released): ZeroMQ adopts it, so no other process can take the
+            # port between the choice and this bind (weight links, session.py).
+            self._sock.setsockopt(zmq.USE_FD, listen_fd)
         try:
             if bind:
                 self._sock.bind(endpoint)
@@ -235,7 +265,7 @@ class Channel:
             raise
         frames += buffers
         if self._router:
-            frames.insert(0, to)
+            frames.insert(0, self._connection(cast(bytes, to)))
         return frames, descs, peer
 
     def _try_send(self, frames: list[Any]) -> bool:
@@ -326,6 +356,15 @@ class Channel:
                         self.bad_messages,
                         exc,
                     )
+                if self.on_bad_message is not None and self._admitted_sender(frames):
+                    # The owner decides whether this loss matters (a known peer with work
+                    # in flight: yes); the header, if it decodes, says what was lost.
+                    peer = self._name_of.get(frames[0], frames[0]) if self._router else None
+                    self.on_bad_message(
+                        peer, exc, _header_of(frames[1:] if self._router else frames)
+                    )
+                continue
+            if got is None:  # a peer not admitted sent tensors or acks: dropped undecoded
                 continue
             if self.peers is not None:
                 self.peers.seen(got.peer, got.msg)
@@ -354,14 +393,75 @@ class Channel:
                 frames.append(part)
         return frames
 
-    def _decode(self, frames: list[Any]) -> Received:
+    def _decode(self, frames: list[Any]) -> Received | None:
         peer = None
         if self._router:
             peer = frames[0]
             frames = frames[1:]
+            if self.gated:
+                name = self._name_of.get(peer)
+                if name is None:
+                    return self._untrusted(peer, frames)
+                peer = name
         msg, descs, buffers = protocol.decode(frames)
         tensors = self.codec.decode(descs, buffers, peer) if descs else {}
         return Received(msg, tensors, peer)
+
+    def _untrusted(self, conn: bytes, frames: list[Any]) -> Received | None:
+        """A message of a connection not admitted: its header is validated (bounded; it
+        touches nothing), the tensors it describes are never looked at."""
+        msg, descs, _ = protocol.decode(frames)
+        if not descs and not isinstance(msg, Release):
+            return Received(msg, {}, conn, trusted=False)
+        self.untrusted_dropped += 1
+        if self.untrusted_dropped <= 10 or self.untrusted_dropped % 1000 == 0:
+            log.warning(
+                "channel %s: %s with %d tensor(s) from %r, a peer not admitted, dropped "
+                "undecoded (%d so far)",
+                self.name,
+                type(msg).__name__,
+                len(descs),
+                conn,
+                self.untrusted_dropped,
+            )
+        return None
+
+    def _admitted_sender(self, frames: list[Any]) -> bool:
+        return not self.gated or frames[0] in self._name_of
+
+    # ------------------------------------------------------------------------------
+    # admission (gated ROUTER)
+
+    def admit(self, conn: bytes, name: bytes) -> None:
+        """Messages of connection `conn` now come from `name`, and `send(to=name)` goes to
+        it. The owner calls this only once it checked the peer's proof. A name admitted
+        again (a reconnect) moves to the new connection."""
+        old = self._conn_of.pop(name, None)
+        if old is not None:
+            self._name_of.pop(old, None)
+        self._conn_of[name] = conn
+        self._name_of[conn] = name
+
+    def admitted(self, name: bytes) -> bool:
+        return name in self._conn_of
+
+    def reply(self, msg: Msg, conn: bytes) -> bool:
+        """Send tensor-less `msg` to connection `conn` (admitted or not) only if the socket
+        takes it now: a peer that never reads cannot make us wait. -> sent?"""
+        if not self._router:
+            raise ValueError(f"channel {self.name}: `reply` is for ROUTER sockets")
+        try:
+            return self._try_send([conn, *protocol.encode(msg)])
+        except PipelineError:  # gone already
+            return False
+
+    def _connection(self, to: bytes) -> bytes:
+        if not self.gated:
+            return to
+        conn = self._conn_of.get(to)
+        if conn is None:  # never a raw identity: a squatter may hold that one
+            raise PeerDeadError(f"channel {self.name}: peer {to!r} has not been admitted")
+        return conn
 
     # ------------------------------------------------------------------------------
     # asyncio glue
@@ -490,7 +590,7 @@ class Channel:
             try:
                 frames = protocol.encode(rel)
                 if self._router:
-                    frames.insert(0, cast(bytes, peer))
+                    frames.insert(0, self._connection(cast(bytes, peer)))
                 if not self._try_send(frames):
                     log.debug("channel %s: ack to %r deferred (queue full)", self.name, peer)
                     self.codec.requeue(peer, rel)
@@ -520,6 +620,14 @@ class Channel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _header_of(frames: list[Any]) -> Msg | None:
+    """The body of a message whose tensors could not be rebuilt (None: not even that)."""
+    try:
+        return protocol.decode(frames)[0]
+    except ProtocolError:
+        return None
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

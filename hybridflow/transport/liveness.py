@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SETTING = "liveness.heartbeat_timeout_s"
+# What a heartbeat reports of a stage's progress: (task ids running, task ids queued,
+# seconds the worker thread has been busy without finishing anything).
+Progress = tuple[list[int], list[int], float]
 
 
 @dataclass
@@ -196,6 +199,8 @@ class Heartbeater:
 
     `to`: for a ROUTER, the identity (or a callable giving the identities) to beat to.
     `state`: a callable giving the current `StageState` (default: READY).
+    `progress`: a callable giving (running task ids, queued task ids, seconds the worker
+    thread has been busy without finishing anything), reported in every heartbeat.
     """
 
     def __init__(
@@ -207,6 +212,7 @@ class Heartbeater:
         interval_s: float = 1.0,
         to: bytes | Callable[[], Iterable[bytes]] | None = None,
         state: Callable[[], StageState] | None = None,
+        progress: Callable[[], Progress] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"liveness.heartbeat_interval_s must be > 0, got {interval_s}")
@@ -214,6 +220,7 @@ class Heartbeater:
         self.stage, self.replica, self.interval_s = stage, replica, interval_s
         self._to = to
         self._state = state
+        self._progress = progress
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
         self.sent = 0
@@ -235,12 +242,16 @@ class Heartbeater:
 
     def beat(self) -> None:
         """Send one heartbeat now (skipped, not queued, if the socket cannot take it)."""
+        running, queued, busy_s = self._progress() if self._progress else ([], [], 0.0)
         msg = Heartbeat(
             stage=self.stage,
             replica=self.replica,
             seq=self._seq,
             state=self._state() if self._state else StageState.READY,
             pid=os.getpid(),
+            running=running,
+            queued=queued,
+            worker_busy_s=max(0.0, busy_s),
         )
         self._seq += 1
         targets: Iterable[bytes | None]

@@ -100,6 +100,7 @@ class NcclGroup:
         setting: str = "transport.nccl_timeout_s",
         backend: str = "nccl",
         warmup: bool = True,
+        master_listen_fd: int = -1,
     ) -> None:
         import torch.distributed as dist
 
@@ -117,6 +118,8 @@ class NcclGroup:
         self.setting = setting
         self._timeout = timedelta(seconds=timeout_s)
         try:
+            # Rank 0 may adopt a socket its launcher bound and kept listening on
+            # `master_port` (`master_listen_fd`): then no other process can take the port.
             self._store = dist.TCPStore(
                 master_addr,
                 master_port,
@@ -124,6 +127,7 @@ class NcclGroup:
                 is_master=rank == 0,
                 timeout=self._timeout,
                 wait_for_workers=True,
+                master_listen_fd=master_listen_fd if rank == 0 and master_listen_fd >= 0 else None,
             )
         except (RuntimeError, OSError) as exc:  # DistStoreError is a RuntimeError
             raise TransportTimeout(

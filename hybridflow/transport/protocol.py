@@ -26,7 +26,7 @@ import msgspec
 
 from hybridflow.errors import ProtocolError
 
-SCHEMA_VERSION = 2  # 2: Heartbeat reports running/queued tasks
+SCHEMA_VERSION = 3  # 2: Heartbeat reports running/queued tasks; 3: Hello carries a proof
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: headers are descriptors and small metadata only
 MAX_FRAMES = 4096
 
@@ -171,7 +171,10 @@ class Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Hello(Msg, frozen=True):
-    """Stage -> coordinator, first message: who I am and what config I run."""
+    """Stage -> coordinator (and weight receiver -> sender), first message: who I am,
+    what config I run, and `proof` that I was launched by this run: an HMAC-SHA256 keyed
+    by the run's secret over (run id, stage, replica, my socket identity); see auth.py.
+    The config hash is public; the proof is what gets a peer in."""
 
     KIND: ClassVar[Kind] = Kind.HELLO
     stage: Ident
@@ -180,6 +183,7 @@ class Hello(Msg, frozen=True):
     roles: list[Ident]
     config_hash: Ident
     schema_version: NonNeg = SCHEMA_VERSION
+    proof: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Welcome(Msg, frozen=True):

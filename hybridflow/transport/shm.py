@@ -52,6 +52,11 @@ def run_prefix(run_id: str) -> str:
     return PREFIX + "".join(c if c.isalnum() else "_" for c in run_id)[:40] + "-"
 
 
+def of_run(run_id: str, name: str) -> bool:
+    """Is `name` a segment of run `run_id`? A receiver opens (and unlinks) nothing else."""
+    return name.startswith(run_prefix(run_id)) and "/" not in name
+
+
 def _unlink(name: str) -> None:
     with contextlib.suppress(FileNotFoundError):  # the receiver got it first: normal
         os.unlink(_path(name))

@@ -270,6 +270,11 @@ class TensorCodec:
                 if isinstance(w, FrameRef):
                     out[d.name] = _copy_frame(buffers[w.index], dtype, d.shape)
                 elif isinstance(w, ShmRef):
+                    if not shm.of_run(self.run_id, w.name):  # never open another run's file
+                        raise ProtocolError(
+                            f"tensor {d.name!r}: shm segment {w.name} is not one of run "
+                            f"{self.run_id!r} (prefix {shm.run_prefix(self.run_id)})"
+                        )
                     key = (w.name, w.lease)
                     if key not in bases:
                         bases[key] = self._map(w, peer)
@@ -347,7 +352,7 @@ class TensorCodec:
                 if w.lease:
                     if self.acks:
                         self._queue(peer, "leases", w.lease)
-                else:
+                elif shm.of_run(self.run_id, w.name):
                     _discard(w.name)
 
     # -- acks ------------------------------------------------------------------------

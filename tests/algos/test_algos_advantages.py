@@ -175,6 +175,7 @@ def test_registry_flags():
     assert set(ADVANTAGE_ESTIMATORS) == {
         "gae",
         "grpo",
+        "dr_grpo",
         "reinforce_pp",
         "reinforce_pp_baseline",
         "rloo",
@@ -182,6 +183,7 @@ def test_registry_flags():
     assert [n for n, s in ADVANTAGE_ESTIMATORS.items() if s.needs_critic] == ["gae"]
     assert {n for n, s in ADVANTAGE_ESTIMATORS.items() if s.needs_groups} == {
         "grpo",
+        "dr_grpo",
         "reinforce_pp_baseline",
         "rloo",
     }

@@ -138,6 +138,44 @@ BAD = [
         "for coordinator ops)",
     ),
     ("transport.protocol", "udp", "transport.protocol: must be one of 'ipc', 'tcp'; got 'udp'"),
+    # sizes that would exhaust memory are bounded, each with its key (issue 12)
+    (
+        "run.step_batch",
+        10**12,
+        "run.step_batch: must be <= 1048576, got 1000000000000 (samples held per step)",
+    ),
+    (
+        "run",
+        {"step_batch": 524288, "micro_batch": 1},
+        "run.micro_batch: must be <= 65536, got 524288 (micro-batches per step = "
+        "run.step_batch / run.micro_batch; raise micro_batch)",
+    ),
+    (
+        "run.max_inflight",
+        10**9,
+        "run.max_inflight: must be <= 1024, got 1000000000 (tasks per replica)",
+    ),
+    (
+        "run.max_offpolicy_steps",
+        10**6,
+        "run.max_offpolicy_steps: must be <= 1024, got 1000000 (steps in flight at once, "
+        "each holding its samples)",
+    ),
+    (
+        "transport.hwm",
+        10**9,
+        "transport.hwm: must be <= 65536, got 1000000000 (messages queued per socket)",
+    ),
+    (
+        "liveness",
+        {"task_timeout_s": -1},
+        "liveness.task_timeout_s: must be a finite number of seconds > 0, got -1.0",
+    ),
+    (
+        "dataflow.1.timeout_s",
+        0,
+        "dataflow[1].timeout_s: must be a finite number of seconds > 0, got 0.0",
+    ),
 ]
 
 

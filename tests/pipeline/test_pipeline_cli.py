@@ -107,7 +107,11 @@ def test_interrupting_the_launcher_exits_130_and_leaves_nothing(tmp_path, sig):
             time.sleep(0.1)
         kids = _children(proc.pid)
         assert len(kids) == 3
-        assert sorted(cmd.split()[3] for cmd in kids.values()) == [
+        # python -P -m hybridflow.pipeline.runtime.launcher NAME RUN_ID
+        names = [
+            cmd.split("hybridflow.pipeline.runtime.launcher")[1].split()[0] for cmd in kids.values()
+        ]
+        assert sorted(names) == [
             "actor/0",
             "reward/0",
             "rollout/0",
@@ -120,7 +124,7 @@ def test_interrupting_the_launcher_exits_130_and_leaves_nothing(tmp_path, sig):
             proc.communicate()
     assert proc.returncode == 130, err.decode()
     assert err.decode().strip().splitlines()[-1] == "hybridflow: interrupted"
-    run_id = next(iter(kids.values())).split()[4]
+    run_id = next(iter(kids.values())).split(".launcher ")[1].split()[1]  # after NAME
     assert not leftovers(run_id, list(kids))
     assert not os.path.exists(f"/proc/{proc.pid}")
 
@@ -154,7 +158,7 @@ def test_stages_die_with_a_killed_launcher(tmp_path):
     # Nobody was left to clean up after a SIGKILLed coordinator: do it for this test.
     from hybridflow.transport import shm
 
-    run_id = next(iter(kids.values())).split()[4]
+    run_id = next(iter(kids.values())).split(".launcher ")[1].split()[1]  # after NAME
     shm.sweep(run_id)
     for d in glob.glob(os.path.join(tempfile.gettempdir(), f"hf-{run_id[:8]}-*")):
         shutil.rmtree(d, ignore_errors=True)

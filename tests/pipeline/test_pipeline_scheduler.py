@@ -18,6 +18,7 @@ from hybridflow.config.schema import load_topology
 from hybridflow.errors import PipelineError, StageError
 from hybridflow.pipeline.compiler.plan import Plan, build_plan
 from hybridflow.pipeline.driver.registry import resolve_driver_op
+from hybridflow.pipeline.observe.metrics import is_counter, reduce_step_metric
 from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Scheduler, concat_rows
 from hybridflow.pipeline.sources.registry import create_source
 from hybridflow.stages.base import StageContext
@@ -299,3 +300,51 @@ def test_concat_rows_pads_ragged_trailing_dims():
     out = concat_rows([a, b])
     assert out.shape == (3, 5)
     assert out[:2, 3:].eq(0).all() and out[2].eq(2).all() and out[:2, :3].eq(1).all()
+
+
+def test_counters_are_summed_over_the_step_the_rest_averaged():
+    """4 micro-batches of 2 samples, each falling back: 8 failures (not 2), latency mean."""
+    plan = build_plan(load_topology(topology(steps=1)))
+    sched = Scheduler(plan)
+    cluster = Cluster(plan, seed=0)
+    handle = cluster.roles["reward"].handle
+
+    def with_counters(op: str, batch: Any, params: Any) -> Any:
+        out, metrics = handle(op, batch, params)
+        extra = {
+            "reward/service_failures": float(len(batch["sample_idx"])),
+            "reward/service_requests": 1.0,
+            "rollout/tokens": 10.0,
+            "reward/service_latency_ms": 10.0 + params["mb_id"],
+            "rollout/tokens_per_s": 100.0,
+        }
+        return out, {**metrics, **extra}
+
+    cluster.roles["reward"].handle = with_counters  # type: ignore[method-assign]
+    cluster.run(sched)
+    ((step, metrics),) = sched.pop_finished()
+    assert step == 0
+    assert metrics["reward/service_failures"] == 8.0
+    assert metrics["reward/service_requests"] == 4.0
+    assert metrics["rollout/tokens"] == 40.0
+    assert metrics["reward/service_latency_ms"] == 11.5
+    assert metrics["rollout/tokens_per_s"] == 100.0
+
+
+@pytest.mark.parametrize(
+    ("key", "summed"),
+    [
+        ("reward/service_failures", True),
+        ("reward/service_retries", True),
+        ("reward/service_requests", True),
+        ("rollout/tokens", True),
+        ("x/count", True),
+        ("rollout/tokens_per_s", False),
+        ("reward/mean", False),
+        ("rollout/response_len_mean", False),
+        ("weight_sync/buckets", False),
+    ],
+)
+def test_counter_naming_rule(key, summed):
+    assert is_counter(key) is summed
+    assert reduce_step_metric(key, 6.0, 3) == (6.0 if summed else 2.0)

@@ -7,6 +7,8 @@ import asyncio
 import json
 import logging
 import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from reward_thirdparty import RawZmqService, StdlibHttpService, good_reply, ok
@@ -318,3 +320,55 @@ def test_config_errors():
         FallbackPolicy(fallback=float("nan")).validate("opts")
     with pytest.raises(ConfigError, match=r"o\.max_concurrency: must be >= 1, got 0"):
         ClientConfig(max_concurrency=0).validate("o")
+
+
+class _Redirector:
+    """An HTTP server answering every POST with 307 to `target` (an open redirect)."""
+
+    def __init__(self, target: str) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(307)
+                self.send_header("Location", target)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+async def test_redirect_is_not_followed_unless_configured(http_service):
+    target = http_service()
+    redirector = _Redirector(target.url)
+    try:
+        c = client("http", redirector.url, on_failure=FallbackPolicy(fallback=0.0))
+        with pytest.raises(RewardServiceError) as info:
+            await c.score(items(2))
+        await c.aclose()
+        text = str(info.value)
+        assert info.value.status == "307" and redirector.url in text
+        assert f"a redirect to {target.url!r}, which is not followed" in text
+        assert "follow_redirects: true" in text
+        assert not target.requests  # the samples never reached the other address
+
+        c = client("http", redirector.url, follow_redirects=True)
+        res = await c.score(items(2))
+        await c.aclose()
+        assert res.rewards == [0.0, 1.0] and len(target.requests) == 1
+    finally:
+        await asyncio.to_thread(redirector.close)
+
+
+def test_follow_redirects_is_an_http_option():
+    with pytest.raises(ConfigError, match="follow_redirects: applies to http services only"):
+        client("zmq", "tcp://127.0.0.1:5555", follow_redirects=True)

@@ -17,7 +17,7 @@ from hybridflow.pipeline.runtime.runner import run_topology
 from hybridflow.reward import start_server
 
 
-def topology(protocol: str, address: str, **options):
+def topology(protocol: str, address: str, run: dict | None = None, **options):
     knobs = {
         **BENCH_DEFAULTS,
         "protocol": protocol,
@@ -25,7 +25,7 @@ def topology(protocol: str, address: str, **options):
         "train_ms_per_sample": 0.0,
     }
     data = _topology(knobs, address, "streamed", quick=True)
-    data["run"].update(steps=1, step_batch=16, micro_batch=8)
+    data["run"].update({"steps": 1, "step_batch": 16, "micro_batch": 8, **(run or {})})
     data["stages"]["reward"]["roles"]["reward"]["options"].update(options)
     return load_topology(data)
 
@@ -45,7 +45,8 @@ async def test_pipeline_scores_every_sample_through_the_service(tmp_path, monkey
     prompts, rewards = torch.cat(got["prompt_ids"]), torch.cat(got["rewards"])
     assert rewards.dtype == torch.float32 and rewards.shape == (16,)
     assert torch.equal(rewards, 2.0 * prompts[:, 0].float())
-    assert res.metrics[0]["reward/service_requests"] == 3.0  # per micro-batch: ceil(8 / 3)
+    # a counter: summed over the step's 2 micro-batches of ceil(8 / 3) requests each
+    assert res.metrics[0]["reward/service_requests"] == 6.0
     assert srv.core.calls == 6
 
 
@@ -59,3 +60,24 @@ async def test_pipeline_stops_with_an_error_naming_the_dead_service(
         await asyncio.to_thread(run_topology, topo)
     msg = str(info.value)
     assert endpoint in msg and "failed after 2 attempts" in msg and "samples 0-0-0, 0-0-1" in msg
+
+
+async def test_fallback_counts_are_summed_over_the_steps_micro_batches(
+    tmp_path, monkeypatch, unused_tcp_port
+):
+    """128 samples in 4 micro-batches, the service down: 128 fallbacks shown (not 32)."""
+    monkeypatch.chdir(tmp_path)
+    endpoint = f"tcp://127.0.0.1:{unused_tcp_port}"
+    topo = topology(
+        "zmq",
+        endpoint,
+        run={"step_batch": 128, "micro_batch": 32},
+        max_batch=64,
+        timeout_s=0.2,
+        retries=0,
+        on_failure={"fallback": 0.0},
+    )
+    res = await asyncio.to_thread(run_topology, topo)
+    row = res.metrics[0]
+    assert row["reward/service_failures"] == 128.0
+    assert row["reward/service_requests"] == 4.0  # 1 attempt per micro-batch (max_batch 64)

@@ -82,6 +82,9 @@ BAD_REPLIES = [
     ("wrong count", _reply([]), "0 rewards for 2 items"),
     ("NaN", _reply(_rewards(("1-0-0", float("nan")), ("1-0-1", 1.0))), "is nan"),
     ("inf", _reply(_rewards(("1-0-0", float("inf")), ("1-0-1", 1.0))), "is inf"),
+    # finite as a float64, inf as the float32 reward tensor: refused, naming the service
+    ("float32 overflow", _reply(_rewards(("1-0-0", 1e39), ("1-0-1", 1.0))), "beyond float32"),
+    ("float32 -overflow", _reply(_rewards(("1-0-0", 1.0), ("1-0-1", -1e39))), "is -1e+39, beyond"),
     ("string", _reply(_rewards(("1-0-0", "1.0"), ("1-0-1", 1.0))), "Expected `float`, got `str`"),
     ("bool", _reply(_rewards(("1-0-0", True), ("1-0-1", 1.0))), "Expected `float`, got `bool`"),
     ("null", _reply(_rewards(("1-0-0", None), ("1-0-1", 1.0))), "Expected `float`, got `"),

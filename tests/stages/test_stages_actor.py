@@ -188,3 +188,112 @@ def test_sft_update_lowers_the_response_nll():
         actor.handle("sft_update", sft, {})
         losses.append(actor.handle("optimizer_step", {}, {})[1]["actor/sft_loss"])
     assert losses[-1] < losses[0] - 0.5
+
+
+# -- algorithms: policy losses, Dr. GRPO aggregation, rollout correction, sample_mask ----
+
+
+def _grads(role):
+    return {n: p.grad / role.trainer._denom for n, p in role.model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean"},
+        {"policy_loss": "cispo", "clip_ratio_low": 0.9, "clip_ratio_high": 2.0},
+        {"loss_agg_mode": "seq-mean-token-sum-norm", "loss_norm_len": 5},
+        {"kl_loss_coef": 0.05, "kl_loss_type": "k3+"},
+    ],
+)
+def test_policy_losses_train_and_split_like_one_batch(rollout_out, extra):
+    opts = {"model": "tiny", "lr": 1e-3, **extra}
+    ref = make_role(Reference, "ref", {"model": "tiny"}).handle("get_logprob", rollout_out, {})[0]
+    batch = {**rollout_out, **ref, "advantages": _advantages(rollout_out)}
+    whole = make_role(Actor, "actor", opts)
+    split = make_role(Actor, "actor", {**opts, "forward_batch_size": 5})
+    whole.handle("update", batch, {})
+    split.handle("update", {k: v[:3] for k, v in batch.items()}, {})
+    split.handle("update", {k: v[3:] for k, v in batch.items()}, {})
+    ga, gb = _grads(whole), _grads(split)
+    assert all(torch.allclose(ga[k], gb[k], rtol=1e-4, atol=1e-8) for k in ga)
+    assert any(bool(g.abs().sum() > 0) for g in ga.values())
+    m = whole.handle("optimizer_step", {}, {})[1]
+    assert m["actor/pg_clipfrac"] == 0.0 and m["actor/updates"] == 1.0
+
+
+def test_sample_mask_rows_leave_the_loss_and_its_denominator(rollout_out):
+    batch = {**rollout_out, "advantages": _advantages(rollout_out)}
+    n = batch["response_ids"].shape[0]
+    keep = torch.tensor([i % 3 != 1 for i in range(n)], dtype=torch.float32)
+    masked = make_role(Actor, "actor", {"model": "tiny"})
+    subset = make_role(Actor, "actor", {"model": "tiny"})
+    masked.handle("update", {**batch, "sample_mask": keep}, {})
+    subset.handle("update", {k: v[keep.bool()] for k, v in batch.items()}, {})
+    ga, gb = _grads(masked), _grads(subset)
+    assert all(torch.allclose(ga[k], gb[k], rtol=1e-4, atol=1e-8) for k in ga)
+    # a micro-batch whose rows were all dropped adds nothing (and does not fail)
+    empty = make_role(Actor, "actor", {"model": "tiny"})
+    empty.handle("update", {**batch, "sample_mask": torch.zeros(n)}, {})
+    assert empty.trainer._denom == 0
+
+
+def test_rollout_correction_weights_and_metrics(rollout_out):
+    g = torch.Generator().manual_seed(1)
+    mask = rollout_out["response_mask"]
+    actor_lp = make_role(Actor, "actor", {"model": "tiny"}).handle("get_logprob", rollout_out, {})[
+        0
+    ]["old_logprobs"]
+    noisy = (actor_lp + 0.3 * torch.randn(actor_lp.shape, generator=g)) * mask
+    batch = {
+        **rollout_out,
+        "advantages": _advantages(rollout_out),
+        "old_logprobs": actor_lp,
+        "rollout_logprobs": noisy,
+    }
+    for mode in ("tis", "mis"):
+        actor = make_role(Actor, "actor", {"model": "tiny", "rollout_correction": mode})
+        m = actor.handle("update", batch, {})[1]
+        for key in ("mismatch_kl", "mismatch_k3", "weight_mean", "weight_max", "masked_frac"):
+            assert f"actor/rollout_corr/{key}" in m, (mode, key)
+        assert m["actor/rollout_corr/mismatch_k3"] > 0
+    # no mismatch: the correction is the identity, the gradient the uncorrected one
+    same = {**batch, "rollout_logprobs": actor_lp}
+    a = make_role(Actor, "actor", {"model": "tiny", "rollout_correction": "tis"})
+    b = make_role(Actor, "actor", {"model": "tiny"})
+    a.handle("update", same, {})
+    b.handle("update", same, {})
+    ga, gb = _grads(a), _grads(b)
+    assert all(torch.allclose(ga[k], gb[k], rtol=1e-5, atol=1e-9) for k in ga)
+    with pytest.raises(BatchError, match="lacks 'rollout_logprobs'"):
+        a.handle("update", {k: v for k, v in batch.items() if k != "rollout_logprobs"}, {})
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_norm_len"),
+        (
+            {"rollout_correction": "tis", "old_logprob_key": "rollout_logprobs"},
+            "rollout_logprob_key",
+        ),
+        ({"policy_loss": "gspo", "dual_clip_c": 3.0}, "dual_clip_c"),
+        ({"kl_loss_type": "k4"}, "kl_loss_type"),
+        ({"policy_loss": "grpo"}, "policy_loss"),
+    ],
+)
+def test_algorithm_options_are_checked_with_their_key(options, key):
+    with pytest.raises(ConfigError, match=rf"stages\.actor\.options\.{key}"):
+        make_role(Actor, "actor", {"model": "tiny", **options})
+
+
+def test_a_step_with_every_row_dropped_applies_no_update(rollout_out, recwarn):
+    n = rollout_out["response_ids"].shape[0]
+    batch = {**rollout_out, "advantages": _advantages(rollout_out), "sample_mask": torch.zeros(n)}
+    actor = make_role(Actor, "actor", {"model": "tiny"})
+    before = _params(actor)
+    actor.handle("update", batch, {})
+    m = actor.handle("optimizer_step", {}, {})[1]
+    assert m["actor/updates"] == 0.0 and m["actor/policy_version"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in actor.model.state_dict().items())
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message)]

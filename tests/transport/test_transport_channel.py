@@ -150,3 +150,32 @@ def test_cuda_tiers_import_cleanly_and_refuse_without_cuda() -> None:
     assert not cuda_ipc.available() and not nccl.available()
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         cuda_ipc.CudaIpcTier()
+
+
+async def test_undecodable_message_is_reported_to_the_owner_with_its_header(
+    endpoint: str, run_id: str
+) -> None:
+    """A Task whose shared memory vanished before the receiver mapped it: dropped (counted),
+    and `on_bad_message` gets the sender and the Task's header, so the owner can name the
+    task it lost instead of waiting for it forever."""
+    seen: list[tuple] = []
+    kw = {"run_id": run_id, "shm_threshold": 0}
+    with (
+        Channel("router", endpoint, bind=True, name="rx", **kw) as rx,
+        Channel("dealer", endpoint, bind=False, name="tx", identity=b"reward/0", **kw) as tx,
+    ):
+        rx.on_bad_message = lambda peer, exc, msg: seen.append((peer, str(exc), msg))
+        task = Task(run_id="r", task_id=3, step=1, mb_id=2, policy_version=0, role="a", op="b")
+        await tx.send(Ping(seq=0, t_ns=0))
+        assert isinstance((await rx.recv(timeout=5)).msg, Ping)  # connected
+        frames, descs, _ = tx._frames(task, {"x": torch.ones(4)}, None)
+        for name in {d.where.name for d in descs}:
+            os.unlink(f"/dev/shm/{name}")
+        assert tx._try_send(frames)
+        await tx.send(Ping(seq=1, t_ns=0))
+        got = await rx.recv(timeout=5)  # the Task is skipped, the next message arrives
+        assert isinstance(got.msg, Ping) and got.msg.seq == 1
+    assert rx.bad_messages == 1
+    ((peer, error, msg),) = seen
+    assert peer == b"reward/0" and "does not exist" in error
+    assert isinstance(msg, Task) and (msg.task_id, msg.step, msg.mb_id) == (3, 1, 2)

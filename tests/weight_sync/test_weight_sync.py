@@ -21,10 +21,12 @@ from hybridflow.pipeline.compiler.plan import build_plan, describe, describe_tex
 from hybridflow.pipeline.compiler.weight_links import identity, links, sync_partners
 from hybridflow.pipeline.host.weight_stream import WINDOW, WeightReceiver, WeightSender
 from hybridflow.pipeline.host.weight_sync import endpoints
+from hybridflow.transport import auth
 from hybridflow.transport.channel import Channel
 from hybridflow.transport.protocol import Hello, Weights
 
 RESHARD, LOAD = 5, 6  # dataflow indices in ws_helpers.disaggregated
+SECRET = auth.new_secret()
 
 
 def _colocated(d: dict[str, Any]) -> dict[str, Any]:
@@ -77,11 +79,25 @@ def test_a_load_without_inputs_needs_a_reshard_in_another_stage(tmp_path):
 
 def test_endpoints_live_in_the_run_ipc_dir_or_on_free_tcp_ports(tmp_path):
     topo = load_topology(disaggregated(tmp_path))
-    assert endpoints(topo, "ipc:///tmp/hf-x/coordinator") == {
-        "actor": {"endpoint": "ipc:///tmp/hf-x/weights-actor", "nccl_port": 0}
+    listeners: list[socket.socket] = []
+    assert endpoints(topo, "ipc:///tmp/hf-x/coordinator", listeners) == {
+        "actor": {"stage": "trainer", "endpoint": "ipc:///tmp/hf-x/weights-actor", "nccl_port": 0}
     }
-    tcp = endpoints(topo, "tcp://127.0.0.1:5555")["actor"]["endpoint"]
-    assert tcp.startswith("tcp://127.0.0.1:") and not tcp.endswith(":5555")
+    assert listeners == []
+    try:
+        spec = endpoints(topo, "tcp://127.0.0.1:5555", listeners)["actor"]
+        tcp = spec["endpoint"]
+        assert tcp.startswith("tcp://127.0.0.1:") and not tcp.endswith(":5555")
+        # The port is held by a socket that stays bound and listening (no close-rebind
+        # window): the sending process adopts this very fd.
+        (sock,) = listeners
+        assert spec["listen_fd"] == sock.fileno()
+        assert tcp == f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        with pytest.raises(OSError):  # nobody else can bind it meanwhile
+            socket.create_server(("127.0.0.1", sock.getsockname()[1]))
+    finally:
+        for sock in listeners:
+            sock.close()
 
 
 # ---------------------------------------------------------------------------------------
@@ -131,11 +147,11 @@ async def _sync(
 def _pair(tmp_path, n: int = 1, **kw: Any) -> tuple[WeightSender, list[WeightReceiver]]:
     ep = f"ipc://{tmp_path}/w"
     ids = tuple(identity("rollout", "gen", r) for r in range(n))
-    sender = WeightSender("ws", ep, ids, run_id="wsunit", config_hash="h", **kw)
+    sender = WeightSender("ws", ep, ids, run_id="wsunit", config_hash="h", secret=SECRET, **kw)
     receivers = [
         WeightReceiver(
             f"wr{r}", ep, ids[r], stage="gen", replica=r, role="rollout", run_id="wsunit",
-            config_hash="h", rank=1 + r, world_size=1 + n, **kw,
+            config_hash="h", secret=SECRET, rank=1 + r, world_size=1 + n, **kw,
         )
         for r in range(n)
     ]  # fmt: skip
@@ -169,13 +185,14 @@ async def test_out_of_order_bucket_is_an_error_not_a_partial_load(tmp_path, shm_
     ep = f"ipc://{tmp_path}/w"
     fake = Channel("router", ep, bind=True, name="fake sender", run_id="wsunit")
     receiver = WeightReceiver(
-        "wr", ep, b"r0", stage="gen", replica=0, role="rollout", run_id="wsunit", config_hash="h"
-    )
+        "wr", ep, b"r0", stage="gen", replica=0, role="rollout", run_id="wsunit",
+        config_hash="h", secret=SECRET,
+    )  # fmt: skip
     try:
         await receiver.start()
         hello = await fake.recv(timeout=10)
         assert isinstance(hello.msg, Hello) and hello.msg.pid == os.getpid()
-        await fake.send(Weights(policy_version=3, bucket=1, last=True), to=b"r0")
+        await fake.send(Weights(policy_version=3, bucket=1, last=True), to=hello.peer)
         loaded = []
 
         async def load(bucket, last, version):
@@ -195,14 +212,20 @@ async def test_out_of_order_bucket_is_an_error_not_a_partial_load(tmp_path, shm_
 async def test_a_receiver_that_dies_mid_sync_ends_the_push_with_its_name(tmp_path, shm_clean):
     ep = f"ipc://{tmp_path}/w"
     ident = identity("rollout", "gen", 0)
-    sender = WeightSender("weights actor->rollout", ep, (ident,), run_id="wsunit", config_hash="h")
+    sender = WeightSender(
+        "weights actor->rollout", ep, (ident,), run_id="wsunit", config_hash="h", secret=SECRET
+    )
     sender.start()
     # A peer that says hello with the pid of a process that has exited, then goes silent.
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    fake = Channel("dealer", ep, bind=False, name="fake receiver", run_id="wsunit", identity=ident)
+    conn = ident + b"#1"
+    fake = Channel("dealer", ep, bind=False, name="fake receiver", run_id="wsunit", identity=conn)
     try:
-        hello = Hello(stage="gen", replica=0, pid=gone.pid, roles=["rollout"], config_hash="h")
+        hello = Hello(
+            stage="gen", replica=0, pid=gone.pid, roles=["rollout"], config_hash="h",
+            proof=auth.proof(SECRET, "wsunit", "gen", 0, conn),
+        )  # fmt: skip
         await fake.send(hello)
         buckets = iter(_buckets(1))
 
@@ -216,18 +239,16 @@ async def test_a_receiver_that_dies_mid_sync_ends_the_push_with_its_name(tmp_pat
         await sender.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_nccl_tier_code_over_gloo_moves_every_dtype(tmp_path):
     """The NCCL path (private group, NcclRef descriptors, posted sends) runs here over
     gloo; on GPUs the same code runs over NCCL (tier "nccl", not run on this machine)."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed without gloo")
-    sender, (receiver,) = _pair(tmp_path, tier="gloo", nccl_port=_free_port())
+    # The rendezvous port is a listening socket the sender's TCPStore adopts (as the
+    # session hands it over): never closed and re-bound.
+    listener = socket.create_server(("127.0.0.1", 0))
+    sender, (receiver,) = _pair(tmp_path, tier="gloo", nccl_port=listener.getsockname()[1])
+    sender.nccl_listen_fd = listener.fileno()
     sender.start()
     try:
         await receiver.start()
@@ -239,3 +260,4 @@ async def test_nccl_tier_code_over_gloo_moves_every_dtype(tmp_path):
     finally:
         await sender.close()
         await receiver.close()
+        listener.close()

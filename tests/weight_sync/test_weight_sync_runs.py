@@ -57,9 +57,13 @@ def _gone(run_id: str, launcher: _Pids) -> list[str]:
     return left + shm_names(run_id)
 
 
-def test_rollout_stage_generates_what_the_trained_actor_generates(tmp_path):
+@pytest.mark.parametrize("protocol", ["ipc", "tcp"])
+def test_rollout_stage_generates_what_the_trained_actor_generates(tmp_path, protocol):
+    # tcp: the weight link's port is a socket the session bound and kept listening; the
+    # sending process adopts it (ZMQ_USE_FD), no close-rebind window.
     d = disaggregated(tmp_path)
-    run_id, launcher = "wsrun-greedy", _Pids()
+    d["transport"] = {**d.get("transport", {}), "protocol": protocol}
+    run_id, launcher = f"wsrun-greedy-{protocol}", _Pids()
     probe = ShmProbe(run_id)
     res = run_topology(
         load_topology(d), collect=COLLECT, run_id=run_id, sinks=[probe], launcher=launcher

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -175,8 +175,8 @@ class Engine:
         base = self.save.save_dir if self.save else self._default_dir()
         path = ckpt.resolve(resume_from, base)
         meta = ckpt.read_meta(path)
-        theirs = _layout(meta.get("config", {}).get("stages") or {})
-        ours = _layout(to_dict(self._declared().topology)["stages"])
+        theirs = ckpt.stage_layout(meta.get("config", {}).get("stages") or {})
+        ours = ckpt.stage_layout(to_dict(self._declared().topology)["stages"])
         if theirs != ours:
             raise ConfigError(
                 "resume_from",
@@ -446,14 +446,6 @@ class Engine:
 def _validated(topo: Topology) -> Topology:
     """A Topology made by `dataclasses.replace`, checked as if it had been loaded."""
     return from_dict(Topology, to_dict(topo))
-
-
-def _layout(stages: Mapping[str, Any]) -> dict[str, Any]:
-    """stage -> (replicas, sorted roles): what a checkpoint's parts are keyed by."""
-    return {
-        name: (int(cfg.get("replicas", 1)), sorted(cfg.get("roles", {})))
-        for name, cfg in stages.items()
-    }
 
 
 def _cat(parts: list[Any]) -> Any:

@@ -18,6 +18,10 @@ in the same parent, then renamed; `latest` is replaced atomically after the rena
                                     save_pretrained: transformers and vLLM load it as is
     <save_dir>/latest               the name of the newest complete checkpoint
 
+The config, `CheckpointConfig` (save_dir, save_interval, keep_last, export_final), lives
+in config/schema.py: a topology's `checkpoint:` section and the Python API's
+`Engine.save_checkpoint` both make one.
+
 Nothing is pickled: tensors go to safetensors, everything else to JSON, and loading
 refuses any JSON node it does not recognise. Who calls what:
   - the coordinator (`Checkpointer`) decides when (`due`), creates the temporary
@@ -43,12 +47,12 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hybridflow.config.schema import CheckpointConfig
 from hybridflow.errors import ConfigError, PipelineError
 
 log = logging.getLogger("hybridflow.checkpoint")
@@ -327,22 +331,6 @@ def load_drivers(drivers: Mapping[int, Any], root: Path) -> None:
             fn.load_state_dict(read_state(src, f"driver-{index}"))
 
 
-@dataclass(frozen=True)
-class CheckpointConfig:
-    save_dir: str
-    save_interval: int = 0  # steps between checkpoints; 0: only at the end
-    keep_last: int = 3  # complete checkpoints kept (older ones deleted); 0: keep all
-    export_final: bool = True  # save_pretrained the policy into the final checkpoint
-
-    def validate(self) -> None:
-        if not self.save_dir:
-            raise ConfigError("save_path", "is required")
-        if self.save_interval < 0:
-            raise ConfigError("save_interval", f"must be >= 0, got {self.save_interval}")
-        if self.keep_last < 0:
-            raise ConfigError("keep_last", f"must be >= 0, got {self.keep_last}")
-
-
 class Checkpointer:
     """Coordinator-side bookkeeping: when to save, where, and the atomic commit."""
 
@@ -350,6 +338,8 @@ class Checkpointer:
         self, cfg: CheckpointConfig, last_step: int, extra: dict[str, Any] | None = None
     ) -> None:
         cfg.validate()
+        if not cfg.save_dir:
+            raise ConfigError("save_path", "is required")
         self.cfg = cfg
         self.root = Path(cfg.save_dir)
         self.last_step = last_step  # index of the run's final step
@@ -456,6 +446,15 @@ def resolve(resume_from: str | Path, save_dir: str | Path | None = None) -> Path
     if path.is_dir() and ((path / "latest").is_file() or list_checkpoints(path)):
         return resolve("latest", path)
     raise ConfigError("resume_from", f"{str(path)!r} is not a checkpoint (no meta.json)")
+
+
+def stage_layout(stages: Mapping[str, Any]) -> dict[str, Any]:
+    """stage -> (replicas, sorted roles) of a topology's `stages` as plain data: what a
+    checkpoint's parts are keyed by, so what a run resuming it must have."""
+    return {
+        name: (int(cfg.get("replicas", 1)), sorted(cfg.get("roles", {})))
+        for name, cfg in stages.items()
+    }
 
 
 def read_meta(root: Path) -> dict[str, Any]:

@@ -38,6 +38,23 @@ BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
 SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
+# Deepest expression tree accepted (a + b + ... nests one level per operator). Every
+# walk below is recursive: the bound keeps them far from Python's recursion limit.
+MAX_DEPTH = 64
+
+
+def depth(node: ast.AST, limit: int = MAX_DEPTH) -> int:
+    """Nesting depth of `node`, counted without recursion; stops counting past `limit`."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        current, level = stack.pop()
+        deepest = max(deepest, level)
+        if deepest > limit:
+            break
+        stack.extend((child, level + 1) for child in ast.iter_child_nodes(current))
+    return deepest
+
+
 def check_expr(node: ast.AST) -> str | None:
     """None if `node` is in the grammar, else the reason it is not."""
     if isinstance(node, ast.Name):
@@ -102,6 +119,10 @@ def arith(batch: Batch, params: dict[str, Any]) -> tuple[Batch, dict[str, float]
         node = ast.parse(text, mode="eval").body
     except SyntaxError as exc:
         raise BatchError(f"arith: {text!r} is not an expression: {exc.msg}") from exc
+    except (RecursionError, MemoryError):
+        raise BatchError(f"arith: expression nested too deeply (at most {MAX_DEPTH})") from None
+    if depth(node) > MAX_DEPTH:
+        raise BatchError(f"arith: expression nested too deeply (at most {MAX_DEPTH})")
     reason = check_expr(node)
     if reason:
         raise BatchError(f"arith: {text!r}: {reason}")

@@ -109,6 +109,16 @@ _LOSS_OPTIONS = (
     "entropy_coef",
     "kl_coef",
     "kl_type",
+    "policy_loss",  # ppo | gspo | cispo: hybridflow.algos.POLICY_LOSSES (an actor option)
+    "loss_agg_mode",  # an actor option; seq-mean-token-sum-norm also needs loss_norm_len
+    "loss_norm_len",
+)
+# DAPO's reward shaping and dynamic sampling's filter: params of the `advantages` op.
+SHAPING_OPTIONS = (
+    "dynamic_sampling",
+    "overlong_buffer_len",
+    "overlong_max_len",
+    "overlong_penalty_factor",
 )
 # Every option of any advantage estimator, in table order (a loss that estimates its own
 # advantages takes them).
@@ -119,14 +129,14 @@ ALGORITHMS: dict[str, Algorithm] = {
     "ppo_loss": Algorithm(
         (("score",), ("score", "kl"), ("advantages",), ("advantages", "kl")),
         "policy_loss",
-        (*_LOSS_OPTIONS, "estimator", *ESTIMATOR_OPTIONS),
+        (*_LOSS_OPTIONS, *SHAPING_OPTIONS, "estimator", *ESTIMATOR_OPTIONS),
         "PPO clip loss; from a score it estimates advantages (GAE with a critic, else "
         "`estimator`); a KL argument becomes a penalty in the reward",
     ),
     "grpo_loss": Algorithm(
         (("score",), ("score", "kl")),
         "policy_loss",
-        (*_LOSS_OPTIONS, *ADVANTAGE_ESTIMATORS["grpo"].options, "estimator"),
+        (*_LOSS_OPTIONS, *SHAPING_OPTIONS, *ADVANTAGE_ESTIMATORS["grpo"].options, "estimator"),
         "PPO clip loss on group-normalised advantages; a KL argument becomes a loss term",
     ),
     # One function per advantage estimator: `advantages = gae(score, values)`, `grpo(score)`.
@@ -219,6 +229,8 @@ class LogicParser:
     def error(self, node: ast.AST | int, message: str) -> CompileError:
         line = node if isinstance(node, int) else getattr(node, "lineno", 0)
         source = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
+        if len(source) > 120:  # a 100 KB line is quoted by its start
+            source = source[:117] + "..."
         return CompileError(line, message, source)
 
     def parse(self) -> list[Stmt]:
@@ -226,6 +238,12 @@ class LogicParser:
             tree = ast.parse(self.text, mode="exec")
         except SyntaxError as exc:
             raise self.error(exc.lineno or 0, f"not valid Python syntax: {exc.msg}") from None
+        except (RecursionError, MemoryError):
+            # CPython's parser gives up on deep nesting without a line: find it.
+            raise self.error(self._too_deep_line(), _TOO_DEEP) from None
+        for node in tree.body:  # before any recursive walk of the tree (here or later)
+            if expr_ops.depth(node, _MAX_DEPTH) > _MAX_DEPTH:
+                raise self.error(node, _TOO_DEEP)
         self._no_dunders(tree)
         out = []
         for node in tree.body:
@@ -237,6 +255,17 @@ class LogicParser:
                 0, "the logic is empty: write at least `response = actor.generate(prompt)`"
             )
         return out
+
+    def _too_deep_line(self) -> int:
+        """The first line that alone is too deep for the parser (0: none alone is)."""
+        for i, line in enumerate(self.lines, start=1):
+            try:
+                ast.parse(line.strip(), mode="exec")
+            except (RecursionError, MemoryError):
+                return i
+            except SyntaxError:
+                continue  # a part of a multi-line statement
+        return 0
 
     def _no_dunders(self, tree: ast.AST) -> None:
         for node in ast.walk(tree):
@@ -371,6 +400,14 @@ class LogicParser:
         raise self.error(
             node, f"option {name}= must be a constant (number, string, True/False/None)"
         )
+
+
+# A statement's expression tree may nest this deep (the statement itself included).
+_MAX_DEPTH = expr_ops.MAX_DEPTH + 4
+_TOO_DEEP = (
+    f"nested too deeply (at most {expr_ops.MAX_DEPTH} levels of operators or parentheses); "
+    "split the expression over several lines"
+)
 
 
 def parse_logic(text: str) -> tuple[LogicParser, list[Stmt]]:

@@ -15,7 +15,10 @@ preset does compiles to that preset's op list:
     inside it), then actor.update (+ critic.update with GAE) per micro-batch;
   - behind the step barrier: optimizer steps, then actor.reshard.
 GRPO's KL becomes actor options (kl_loss_coef, kl_loss_type); sampling keywords of
-generate become rollout options, `n` the data source's samples_per_prompt.
+generate become rollout options, `n` the data source's samples_per_prompt. The loss's
+`policy_loss=` (ppo | gspo | cispo), `loss_agg_mode=`, `loss_norm_len=` become actor
+options; DAPO's `dynamic_sampling=` and `overlong_*=` become `advantages` params, and
+dynamic sampling adds its `sample_mask` (advantages -> actor.update).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS, EstimatorSpec
 from hybridflow.config.schema import DRIVER_ROLE, OpConfig
 from hybridflow.errors import CompileError
-from hybridflow.pipeline.compiler.grammar import ESTIMATOR_OPTIONS, KINDS
+from hybridflow.pipeline.compiler.grammar import ESTIMATOR_OPTIONS, KINDS, SHAPING_OPTIONS
 from hybridflow.pipeline.compiler.ir import (
     KL,
     Apply,
@@ -63,6 +66,9 @@ _ACTOR_LOSS_OPTIONS = {
     "clip_ratio_high": "clip_ratio_high",
     "dual_clip_c": "dual_clip_c",
     "entropy_coef": "entropy_coef",
+    "policy_loss": "policy_loss",
+    "loss_agg_mode": "loss_agg_mode",
+    "loss_norm_len": "loss_norm_len",
 }
 ARITH_OP = "hybridflow.pipeline.compiler.expr:arith"
 SCORE_ADV_OP = "hybridflow.pipeline.compiler.expr:ScoreAdvantages"
@@ -208,6 +214,7 @@ class _Lowering:
         assert isinstance(apply, Apply)  # policy_loss values come from ppo_loss / grpo_loss
         fn, args, opts = apply.fn, apply.args, dict(apply.options)
         line = loss_value.line
+        shaping = {k: opts.pop(k) for k in SHAPING_OPTIONS if k in opts}
         first = ir.resolve(args[0])
         kl_value = ir.resolve(args[1]) if len(args) > 1 else None
         values: Value | None = None
@@ -257,6 +264,13 @@ class _Lowering:
             )
         written = {k: WRITTEN_DEFAULTS[k] for k in spec.options if k in WRITTEN_DEFAULTS}
         adv_params: dict[str, Scalar] = {"estimator": spec.name, **written, **adv_opts}
+        if shaping.get("dynamic_sampling") and not spec.needs_groups:
+            raise ir.error(
+                line,
+                f"dynamic_sampling= drops groups whose rewards agree: the {spec.name} "
+                "estimator has no groups (use grpo_loss or a group estimator)",
+            )
+        adv_params |= shaping
         # The score: the reward model's `rewards`, maybe penalised by KL, maybe derived.
         penalty: _Penalty | None = None
         loss_kl: _LossKL | None = None
@@ -386,6 +400,9 @@ class _Lowering:
         if loss.score_key != "rewards":
             params["score"] = loss.score_key
         outs = ("advantages", "returns") if critic else ("advantages",)
+        dynamic = bool(params.get("dynamic_sampling"))
+        if dynamic:
+            outs = (*outs, "sample_mask")
         ops = [
             OpConfig(
                 DRIVER_ROLE,
@@ -397,6 +414,8 @@ class _Lowering:
             )
         ]
         actor_in = [*SEQ, "advantages", self.old_key] + (["ref_logprobs"] if has_ref else [])
+        if dynamic:
+            actor_in.append("sample_mask")
         ops.append(OpConfig("actor", "update", tuple(actor_in), phase="train"))
         self.opt("actor", old_logprob_key=self.old_key)
         if loss.loss_kl is not None:

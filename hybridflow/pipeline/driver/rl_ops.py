@@ -2,6 +2,7 @@
 
     driver.advantages(rewards [B], response_mask [B, R], + what the estimator needs)
         -> advantages [B, R]          (and returns [B, R] where the estimator defines them)
+           sample_mask [B]            (with dynamic_sampling: 1 = row kept for the loss)
 
 Params (the op's `params:` block, checked when the run is planned):
   estimator        a key of hybridflow.algos.ADVANTAGE_ESTIMATORS: grpo | rloo |
@@ -15,6 +16,29 @@ Params (the op's `params:` block, checked when the run is planned):
   kl_target        null: fixed coefficient; a number: adaptive (Ziegler et al.)
                    toward this mean per-token KL, over `kl_horizon` samples      (null, 10000)
   old_logprob_key  the input holding the behaviour policy's log-probs         (rollout_logprobs)
+  overlong_buffer_len, overlong_max_len, overlong_penalty_factor
+                   DAPO's soft overlong penalty (algos.shaping.overlong_penalty) added
+                   to the rewards before the estimator: 0 within max_len - buffer_len
+                   tokens, a ramp to -factor at max_len (set it to the rollout's
+                   max_new_tokens); buffer 0 disables it                     (0, 0, 1.0)
+  dynamic_sampling DAPO's filter: the samples of groups whose (task) rewards all agree
+                   get advantage 0 and sample_mask 0, so actor.update leaves them out
+                   of the loss AND its denominator (declare `sample_mask` as an output
+                   here and an input of actor.update). Needs a group estimator. (false)
+
+Dynamic sampling, what is and is not done: DAPO drops zero-variance groups and then
+samples MORE prompts until the step holds `step_batch` informative samples. Here the
+filter runs per micro-batch inside this op (which cannot ask the data source for more
+prompts: the coordinator sizes steps up front), so a step trains on the informative
+groups it happened to draw: fewer samples when many groups agree, never a refill.
+Counted per step: dynamic_sampling/kept_groups_count, dynamic_sampling/dropped_groups_count
+(summed over micro-batches) and dynamic_sampling/kept_frac (share of samples kept).
+
+Whitening GAE advantages over the whole step is NOT an option here: this op runs once
+per micro-batch and its output feeds that micro-batch's actor.update at once (streamed
+training), so step-level statistics would need every micro-batch's rewards and values
+first: a barrier inside the step, a coordinator change, and the end of the overlap
+between scoring later micro-batches and training earlier ones.
 
 Inputs by estimator (its EstimatorSpec): `needs_groups` ones read `group_index` [B];
 `needs_values` ones (gae) read `values` [B, R]; `returns` ones may output `returns`;
@@ -54,6 +78,7 @@ from hybridflow.algos.kl import (
     kl_estimate,
     make_kl_controller,
 )
+from hybridflow.algos.shaping import informative_groups, overlong_penalty
 from hybridflow.config.loader import from_dict
 from hybridflow.config.schema import Topology
 from hybridflow.errors import ConfigError, PipelineError
@@ -75,6 +100,10 @@ class AdvantageParams:
     kl_target: float | None = None
     kl_horizon: float = 10000.0
     old_logprob_key: str = "rollout_logprobs"
+    overlong_buffer_len: int = 0
+    overlong_max_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    dynamic_sampling: bool = False
 
     def validate(self, path: str) -> None:
         if self.estimator not in ADVANTAGE_ESTIMATORS:
@@ -97,6 +126,23 @@ class AdvantageParams:
             raise ConfigError(f"{path}.kl_target", "must be > 0 (or null for a fixed coef)")
         if self.kl_horizon <= 0:
             raise ConfigError(f"{path}.kl_horizon", "must be > 0")
+        if self.overlong_buffer_len < 0:
+            raise ConfigError(f"{path}.overlong_buffer_len", "must be >= 0 (0: no shaping)")
+        if self.overlong_buffer_len > 0 and self.overlong_max_len < self.overlong_buffer_len:
+            raise ConfigError(
+                f"{path}.overlong_max_len",
+                f"must be >= overlong_buffer_len ({self.overlong_buffer_len}): the response "
+                f"length limit (the rollout's max_new_tokens), got {self.overlong_max_len}",
+            )
+        if self.overlong_penalty_factor < 0:
+            raise ConfigError(f"{path}.overlong_penalty_factor", "must be >= 0")
+        if self.dynamic_sampling and not ADVANTAGE_ESTIMATORS[self.estimator].needs_groups:
+            groups = [n for n, s in ADVANTAGE_ESTIMATORS.items() if s.needs_groups]
+            raise ConfigError(
+                f"{path}.dynamic_sampling",
+                f"filters groups of samples: needs a group estimator ({', '.join(groups)}), "
+                f"not {self.estimator!r}",
+            )
 
 
 class Advantages:
@@ -110,6 +156,8 @@ class Advantages:
         self._check_io(cfg.inputs, cfg.outputs, path)
         if self.spec.needs_groups:
             _check_groups(topology, self.p.estimator)
+        if self.p.dynamic_sampling:
+            _check_sample_mask_consumed(topology, path)
         self.k = topology.run.max_offpolicy_steps
         self.n_mb = topology.run.micro_batches
         # The estimator's own options, read from the params (every option of every
@@ -148,7 +196,15 @@ class Advantages:
                 + (f" with kl_penalty {self.p.kl_penalty!r}" if self.p.kl_penalty else "")
                 + f" needs inputs {need}; missing {missing}",
             )
+        if self.p.dynamic_sampling and "sample_mask" not in outputs:
+            raise ConfigError(
+                f"{path}.outputs",
+                "dynamic_sampling drops rows through `sample_mask` [B]: add it to this op's "
+                "outputs and to actor.update's inputs",
+            )
         can = {"advantages"} | ({"returns"} if self.spec.returns else set())
+        if self.p.dynamic_sampling:
+            can.add("sample_mask")
         extra = [n for n in outputs if n not in can]
         if extra:
             raise ConfigError(
@@ -175,6 +231,29 @@ class Advantages:
         }
         if "prompt_mask" in batch:
             metrics["prompt_length/mean"] = float(batch["prompt_mask"].sum(-1).float().mean())
+        keep = None  # [B] bool, dynamic sampling's rows (on the task reward, before shaping)
+        if self.p.dynamic_sampling:
+            keep = informative_groups(scores, batch["group_index"])
+            n_groups = int(torch.unique(batch["group_index"]).numel())
+            kept_groups = int(torch.unique(batch["group_index"][keep]).numel())
+            metrics |= {
+                "dynamic_sampling/kept_groups_count": float(kept_groups),
+                "dynamic_sampling/dropped_groups_count": float(n_groups - kept_groups),
+                "dynamic_sampling/kept_frac": float(keep.float().mean()),
+            }
+        if self.p.overlong_buffer_len > 0:
+            pen = overlong_penalty(
+                lengths,
+                self.p.overlong_max_len,
+                self.p.overlong_buffer_len,
+                self.p.overlong_penalty_factor,
+            )  # [B] <= 0
+            scores = scores + pen
+            metrics |= {
+                "reward/overlong_penalty": float(pen.mean()),
+                "reward/overlong_frac": float((pen < 0).float().mean()),
+                "reward/shaped_mean": float(scores.mean()),
+            }
         fields: dict[str, Any] = {
             "mask": mask,
             "values": batch.get("values"),
@@ -202,9 +281,14 @@ class Advantages:
         res = compute_advantages(self.p.estimator, **fields, **self.options)
         adv = res.advantages.float()  # [B, R]
         valid = mask.bool()
+        out: Batch = {}
+        if keep is not None:
+            adv = adv * keep.unsqueeze(-1).to(adv.dtype)  # dropped groups: no signal
+            valid = valid & keep.unsqueeze(-1)
+            out["sample_mask"] = keep.to(torch.float32)  # [B]
         metrics["adv/mean"] = float(adv[valid].mean()) if valid.any() else 0.0
         metrics["adv/abs_mean"] = float(adv[valid].abs().mean()) if valid.any() else 0.0
-        out = {"advantages": adv}
+        out["advantages"] = adv
         if res.returns is not None:
             out["returns"] = res.returns.float()  # [B, R]
         return out, metrics
@@ -245,6 +329,17 @@ class _KLCoefficient:
             total, n, _ = self._seen.pop(s)
             self.ctl.update(total / n, int(n))
             self.values.append(self.ctl.value)
+
+
+def _check_sample_mask_consumed(topo: Topology, path: str) -> None:
+    """Dynamic sampling only works if the actor's update reads `sample_mask`."""
+    updates = [op for op in topo.dataflow if op.role == "actor" and op.op == "update"]
+    if updates and not all("sample_mask" in op.inputs for op in updates):
+        raise ConfigError(
+            f"{path}.params.dynamic_sampling",
+            "actor.update must read `sample_mask` (add it to its inputs), or the dropped "
+            "groups still count in the loss's denominator",
+        )
 
 
 def _check_groups(topo: Topology, estimator: str) -> None:

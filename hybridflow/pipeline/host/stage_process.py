@@ -1,8 +1,9 @@
 """One stage replica: an OS process hosting one or more roles, driven by the coordinator.
 
 Life cycle (`StageState`):
-  CONNECTING  DEALER connects to the coordinator's ROUTER; Hello(stage, replica, pid, roles,
-              config hash, schema version) -> Welcome within liveness.startup_timeout_s
+  CONNECTING  DEALER connects to the coordinator's ROUTER as `<stage>/<replica>#<random>`;
+              Hello(stage, replica, pid, roles, config hash, schema version, proof: HMAC
+              of the run secret, transport/auth.py) -> Welcome within startup_timeout_s
   SETUP       roles built (`create_role`) and `Role.setup(StageContext)` run in the worker
               thread while heartbeats go on (model loading may take minutes)
   READY       tasks are dispatched in arrival order by the op declarations of the roles
@@ -65,9 +66,9 @@ from hybridflow.pipeline.host.weight_sync import StageWeightSync
 from hybridflow.stages import StageContext, create_role
 from hybridflow.stages.base import Role
 from hybridflow.stages.contract import OpSpec, Scope
-from hybridflow.transport import aio
+from hybridflow.transport import aio, auth
 from hybridflow.transport.channel import Channel, Received
-from hybridflow.transport.liveness import Heartbeater
+from hybridflow.transport.liveness import Heartbeater, Progress
 from hybridflow.transport.protocol import (
     CheckpointSave,
     Control,
@@ -125,6 +126,10 @@ class StageProcess:
         self.init_method = str(payload.get("init_method", ""))
         self.parent_pid = int(payload.get("parent_pid", os.getppid()))
         self.resume_dir = str(payload.get("resume_dir") or "")
+        # The run's secret (stdin JSON only: never argv, env or a file) proves this process
+        # to the coordinator and to weight-link peers (transport/auth.py); kept off `payload`.
+        self._secret = bytes.fromhex(str(payload.pop("secret", "")))
+        self.identity = auth.connection_identity(f"{stage}/{replica}")
         # Disaggregated reshard (weight_sync.py): endpoints the runner allocated, if any.
         self.weight_sync_spec = dict(payload.get("weight_sync") or {})
         self.weight_sync: StageWeightSync | None = None
@@ -138,6 +143,12 @@ class StageProcess:
         self._stop = asyncio.Event()
         self._busy = False  # the worker thread is running something
         self._running = 0  # tasks started and not yet answered
+        # Task id -> started? for every Task received and not yet answered, in arrival
+        # order (heartbeats report it: the coordinator's deadlines and lost-task check).
+        # The worker thread flips its task to True when it actually starts it.
+        self._held: dict[int, bool] = {}
+        self._worker_since = 0.0  # monotonic start of the worker's current call; 0: idle
+        self._reports: set[asyncio.Task[None]] = set()  # Failures for undecodable tasks
 
     # ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -148,10 +159,11 @@ class StageProcess:
             bind=False,
             name=f"stage {self.stage}/{self.replica}",
             run_id=self.run_id,
-            identity=f"{self.stage}/{self.replica}".encode(),
+            identity=self.identity,
             hwm=t.hwm,
             shm_threshold=t.shm_threshold,
         )
+        self.chan.on_bad_message = self._on_bad_message
         tasks: list[asyncio.Task[Any]] = []
         try:
             code = await self._handshake()
@@ -166,6 +178,7 @@ class StageProcess:
                 replica=self.replica,
                 interval_s=self.topo.liveness.heartbeat_interval_s,
                 state=self._state_name,
+                progress=self._progress,
             )
             tasks.append(self.heartbeat.start())
             tasks.append(asyncio.create_task(self._watch_parent(), name="stage.parent"))
@@ -200,6 +213,7 @@ class StageProcess:
             pid=os.getpid(),
             roles=list(self.cfg.roles),
             config_hash=self.config_hash,
+            proof=auth.proof(self._secret, self.run_id, self.stage, self.replica, self.identity),
         )
         timeout = self.topo.liveness.startup_timeout_s
         await self.chan.send(hello, timeout=timeout, timeout_setting="liveness.startup_timeout_s")
@@ -231,6 +245,7 @@ class StageProcess:
                 self.weight_sync_spec,
                 run_id=self.run_id,
                 config_hash=self.config_hash,
+                secret=self._secret,
             )
             if self.weight_sync is not None:
                 await self.weight_sync.start()
@@ -294,6 +309,8 @@ class StageProcess:
         try:
             while True:
                 rx = await self.chan.recv()
+                if isinstance(rx.msg, Task):
+                    self._held[rx.msg.task_id] = False
                 if isinstance(rx.msg, (Task, Control)):
                     self._queue.put_nowait(rx)
                 elif isinstance(rx.msg, Shutdown):
@@ -379,6 +396,7 @@ class StageProcess:
                 raise KeyError(f"role {task.role!r} is not hosted here (have {list(self.roles)})")
             elif self.weight_sync is not None and self.weight_sync.handles(task):
                 # Disaggregated reshard: weights stream stage to stage, not via the role.
+                self._held[task.task_id] = True
                 outputs, metrics = (
                     {},
                     await self.weight_sync.run(task, self.roles, params, self._in_worker),
@@ -387,9 +405,12 @@ class StageProcess:
                 spec = spec or type(role).op_spec(task.op)  # raises UnknownOpError
                 method = role.bound_op(spec)
                 if spec.concurrent:
+                    self._held[task.task_id] = True
                     outputs, metrics = await method(batch, params)
                 else:
-                    outputs, metrics = await self._in_worker(method, batch, params)
+                    outputs, metrics = await self._in_worker(
+                        method, batch, params, task_id=task.task_id
+                    )
             result = Result(
                 run_id=task.run_id,
                 task_id=task.task_id,
@@ -406,6 +427,7 @@ class StageProcess:
             await self._report(task, exc)
         finally:
             self._running -= 1
+            self._held.pop(task.task_id, None)
 
     async def _run_control(self, msg: Control) -> None:
         """A control call of the coordinator (typed arguments, protocol.py): answered with
@@ -454,12 +476,59 @@ class StageProcess:
             log.error("cannot send to the coordinator, stopping: %s", send_exc)
             self._stop.set()
 
-    async def _in_worker(self, fn: Any, *args: Any) -> Any:
+    async def _in_worker(self, fn: Any, *args: Any, task_id: int | None = None) -> Any:
+        """Run `fn(*args)` in the worker thread; `task_id`: the Task it serves, marked
+        started when the thread actually starts it (not while it waits for the thread)."""
+
+        def call() -> Any:
+            self._worker_since = time.monotonic()
+            if task_id is not None and task_id in self._held:
+                self._held[task_id] = True  # an existing key: safe from this thread
+            try:
+                return fn(*args)
+            finally:
+                self._worker_since = 0.0
+
         self._busy = True
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
         finally:
             self._busy = False
+
+    def _progress(self) -> Progress:
+        """What the heartbeat reports: tasks running, tasks queued, worker busy seconds."""
+        held = list(self._held.items())
+        since = self._worker_since
+        busy_s = time.monotonic() - since if since else 0.0
+        return [t for t, on in held if on], [t for t, on in held if not on], busy_s
+
+    def _on_bad_message(self, peer: bytes | None, exc: HybridflowError, msg: Msg | None) -> None:
+        """A message from the coordinator could not be decoded (e.g. a shared-memory
+        segment of its tensors was removed): if it was a Task or a Control call, answer it
+        with a Failure naming it, so the run ends with this error instead of waiting for
+        an answer that will never come. A message without a readable header cannot be
+        named; the coordinator's lost-task bound catches what it was."""
+        if isinstance(msg, Task):
+            task_id, step, mb, role, op = msg.task_id, msg.step, msg.mb_id, msg.role, msg.op
+        elif isinstance(msg, Control):
+            task_id, step, mb, role = msg.control_id, msg.step, -1, ""
+            op = str(type(msg.call).__struct_config__.tag)
+        else:
+            return
+        err = type(exc)(f"the {type(msg).__name__} message could not be decoded: {exc}")
+        failure = self._failure(task_id, step, mb, role, op, err)
+        report = asyncio.get_running_loop().create_task(
+            self._send_failure(failure), name=f"stage.undecodable.{task_id}"
+        )
+        self._reports.add(report)
+        report.add_done_callback(self._reports.discard)
+
+    async def _send_failure(self, failure: Failure) -> None:
+        try:
+            await self._send(failure)
+        except HybridflowError as send_exc:
+            log.error("cannot send to the coordinator, stopping: %s", send_exc)
+            self._stop.set()
 
     # ------------------------------------------------------------------------------
     def _state_name(self) -> StageState:

@@ -2,7 +2,8 @@
 sending actor replica) and `WeightReceiver` (DEALER, one per receiving replica).
 
     receiver                                   sender
-      Hello(pid, config hash), on connect -->    knows who is there (and their pids)
+      Hello(pid, config hash, proof)      -->    admits the connection (transport/auth.py)
+                                                 and knows who is there (and their pids)
                                           <--    Weights(v, 0, last=False) + bucket 0
                                           <--    Weights(v, 1, last=False) + bucket 1
       load(bucket 0)
@@ -18,6 +19,12 @@ Tiers: "shm" (CPU: shm_threshold 0, so each bucket is one pooled segment per rec
 mapped once and reused across syncs); "nccl" (CUDA both sides: a private NcclGroup, sender
 rank 0, receivers 1..n, built at the first sync so neither side blocks its startup);
 "gloo" (the NCCL tier's code over gloo on CPU, for tests).
+
+Who may connect: a receiver's connection identity is `<role>@<stage>/<replica>#<random>`
+and its Hello carries an HMAC of the run's secret over it (transport/auth.py); the sender's
+ROUTER is gated, so a connection without that proof is refused and nothing it sends is
+decoded past its header. Over TCP the sender adopts a socket the session bound and kept
+listening (`listen_fd`), so nobody can take its port first.
 
 Invariants: buckets of a version arrive as 0..n-1 ending with `last`, else PipelineError;
 every wait ends by `timeout` (TransportTimeout naming the setting) or, for the sender, at
@@ -37,7 +44,8 @@ from typing import Any
 import torch
 
 from hybridflow.errors import BatchError, PeerDeadError, PipelineError, TransportTimeout
-from hybridflow.pipeline.compiler.weight_links import Tier
+from hybridflow.pipeline.compiler.weight_links import Tier, identity
+from hybridflow.transport import auth
 from hybridflow.transport.channel import Channel
 from hybridflow.transport.protocol import Hello, Weights
 
@@ -78,17 +86,31 @@ class WeightSender:
         *,
         run_id: str,
         config_hash: str,
+        secret: bytes,
         tier: Tier = "shm",
         device: torch.device | str = "cpu",
         nccl_port: int = 0,
         hwm: int = 64,
+        listen_fd: int = -1,
+        nccl_listen_fd: int = -1,
     ) -> None:
         self.name = name
         self.receivers = receivers
         self.config_hash = config_hash
+        self.run_id, self._secret = run_id, secret
         self.tier, self.device, self.nccl_port = tier, torch.device(device), nccl_port
+        self.nccl_listen_fd = nccl_listen_fd
+        self.refused = 0  # connections that did not prove themselves
         self.chan = Channel(
-            "router", endpoint, bind=True, name=name, run_id=run_id, hwm=hwm, shm_threshold=0
+            "router",
+            endpoint,
+            bind=True,
+            gated=True,
+            name=name,
+            run_id=run_id,
+            hwm=hwm,
+            shm_threshold=0,
+            listen_fd=listen_fd,
         )
         self.pids: dict[bytes, int] = {}
         self.acked: dict[bytes, int] = {}  # buckets of the current version acked, per receiver
@@ -109,15 +131,12 @@ class WeightSender:
                 rx = await self.chan.recv()
                 peer = rx.peer or b""
                 msg = rx.msg
-                if peer not in self.receivers:
+                if not rx.trusted:
+                    self._admit(peer, msg)
+                elif peer not in self.receivers:
                     log.warning("%s: message from unexpected peer %r dropped", self.name, peer)
                 elif isinstance(msg, Hello):
-                    if msg.config_hash != self.config_hash:
-                        raise PipelineError(
-                            f"{self.name}: receiver {peer.decode()} runs config "
-                            f"{msg.config_hash}, this stage {self.config_hash}"
-                        )
-                    self.pids[peer] = msg.pid
+                    log.debug("%s: repeated Hello of %r ignored", self.name, peer)
                 elif isinstance(msg, Weights):
                     self._on_ack(peer, msg)
                 else:
@@ -128,6 +147,37 @@ class WeightSender:
         except PipelineError as exc:
             self._error = exc
             self._changed.set()
+
+    def _admit(self, conn: bytes, msg: Any) -> None:
+        """A connection not admitted yet: only a Hello with the run's proof gets it in
+        (as `<role>@<stage>/<replica>`, one of our receivers, once); anything else is
+        refused, counted and logged, and the sync goes on."""
+        name = b""
+        if isinstance(msg, Hello) and len(msg.roles) == 1:
+            name = identity(msg.roles[0], msg.stage, msg.replica)
+        if (
+            name not in self.receivers
+            or self.chan.admitted(name)
+            or not auth.verify(self._secret, self.run_id, msg.stage, msg.replica, conn, msg.proof)
+        ):
+            self.refused += 1
+            if self.refused <= 10 or self.refused % 1000 == 0:
+                log.warning(
+                    "%s: %s from connection %r refused: not a receiver of this link with "
+                    "the run's proof (%d refused so far)",
+                    self.name,
+                    type(msg).__name__,
+                    conn,
+                    self.refused,
+                )
+            return
+        if msg.config_hash != self.config_hash:
+            raise PipelineError(
+                f"{self.name}: receiver {name.decode()} runs config "
+                f"{msg.config_hash}, this stage {self.config_hash}"
+            )
+        self.chan.admit(conn, name)
+        self.pids[name] = msg.pid
 
     def _on_ack(self, peer: bytes, msg: Weights) -> None:
         want = self.acked.get(peer, 0)
@@ -253,6 +303,7 @@ class WeightSender:
             0,
             1 + len(self.receivers),
             master_port=self.nccl_port,
+            master_listen_fd=self.nccl_listen_fd,
             device=self.device if backend == "nccl" else "cpu",
             timeout_s=timeout,
             setting=setting,
@@ -284,6 +335,7 @@ class WeightReceiver:
         role: str,
         run_id: str,
         config_hash: str,
+        secret: bytes,
         tier: Tier = "shm",
         rank: int = 1,
         world_size: int = 2,
@@ -292,8 +344,14 @@ class WeightReceiver:
         hwm: int = 64,
     ) -> None:
         self.name = name
+        conn = auth.connection_identity(ident.decode())  # unguessable: nobody squats it
         self.hello = Hello(
-            stage=stage, replica=replica, pid=os.getpid(), roles=[role], config_hash=config_hash
+            stage=stage,
+            replica=replica,
+            pid=os.getpid(),
+            roles=[role],
+            config_hash=config_hash,
+            proof=auth.proof(secret, run_id, stage, replica, conn),
         )
         self.tier, self.rank, self.world_size = tier, rank, world_size
         self.device, self.nccl_port = torch.device(device), nccl_port
@@ -303,7 +361,7 @@ class WeightReceiver:
             bind=False,
             name=name,
             run_id=run_id,
-            identity=ident,
+            identity=conn,
             hwm=hwm,
             shm_threshold=0,
         )

@@ -64,26 +64,39 @@ TIMEOUT_PARAM = "sync_timeout_s"  # op param bounding every wait of one sync
 # What the topology implies
 
 
-def endpoints(topo: Topology, coordinator_endpoint: str) -> dict[str, dict[str, Any]]:
+def endpoints(
+    topo: Topology, coordinator_endpoint: str, listeners: list[socket.socket]
+) -> dict[str, dict[str, Any]]:
     """Allocate each link's endpoint (and NCCL rendezvous port): source role -> plain data
-    that the runner puts into every stage's payload. ipc runs use the run's ipc directory."""
+    that the runner puts into every stage's payload. ipc runs use the run's ipc directory.
+
+    A TCP port is never picked by bind-close-rebind (another process could take it in
+    between): each is a socket bound to port 0 and left listening, appended to
+    `listeners`; its fd (`listen_fd`, `nccl_listen_fd`) goes to the sending process
+    (`stage`, replica 0), which adopts it (ZMQ_USE_FD / TCPStore's master_listen_fd). The
+    caller closes `listeners` once that process has started."""
     out: dict[str, dict[str, Any]] = {}
     host = topo.transport.host
     for link in links(topo):
+        spec: dict[str, Any] = {"stage": link.source_stage, "nccl_port": 0}
         if coordinator_endpoint.startswith("ipc://"):
             base = coordinator_endpoint[len("ipc://") :].rsplit("/", 1)[0]
-            endpoint = f"ipc://{base}/weights-{link.source}"
+            spec["endpoint"] = f"ipc://{base}/weights-{link.source}"
         else:
-            endpoint = f"tcp://{host}:{_free_port(host)}"
-        port = _free_port(host) if link.tier == "nccl" else 0
-        out[link.source] = {"endpoint": endpoint, "nccl_port": port}
+            sock = _listener(host, listeners)
+            spec["endpoint"] = f"tcp://{host}:{sock.getsockname()[1]}"
+            spec["listen_fd"] = sock.fileno()
+        if link.tier == "nccl":
+            sock = _listener(host, listeners)
+            spec["nccl_port"], spec["nccl_listen_fd"] = sock.getsockname()[1], sock.fileno()
+        out[link.source] = spec
     return out
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _listener(host: str, listeners: list[socket.socket]) -> socket.socket:
+    sock = socket.create_server((host, 0), backlog=128)
+    listeners.append(sock)
+    return sock
 
 
 # ---------------------------------------------------------------------------------------
@@ -119,6 +132,7 @@ class StageWeightSync:
         *,
         run_id: str,
         config_hash: str,
+        secret: bytes,
     ) -> StageWeightSync | None:
         found = [
             link
@@ -144,9 +158,12 @@ class StageWeightSync:
                         link.identities,
                         run_id=run_id,
                         config_hash=config_hash,
+                        secret=secret,
                         tier=link.tier,
                         device=device,
                         nccl_port=port,
+                        listen_fd=int(spec.get("listen_fd", -1)),
+                        nccl_listen_fd=int(spec.get("nccl_listen_fd", -1)),
                     )
                 self.senders[link.source] = (link, sender)
             for rank, (role, s, r) in enumerate(link.receivers, start=1):
@@ -162,6 +179,7 @@ class StageWeightSync:
                             role=role,
                             run_id=run_id,
                             config_hash=config_hash,
+                            secret=secret,
                             tier=link.tier,
                             rank=rank,
                             world_size=1 + len(link.receivers),

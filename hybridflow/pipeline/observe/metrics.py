@@ -1,7 +1,12 @@
 """Metrics sinks: where each step's metrics go (`metrics.backends` in a topology).
 
-Per step the coordinator produces one flat dict: the mean of every metric the roles and
-driver ops returned for that step (over micro-batches and replicas), plus
+Per step the coordinator produces one flat dict: every metric the roles and driver ops
+returned for that step, combined over micro-batches and replicas by `reduce_step_metric`:
+counters are SUMMED, everything else is averaged. A counter is a metric whose last path
+component is, or ends in `_` + one of, `count`, `failures`, `retries`, `requests`,
+`tokens` (`reward/service_failures`, `reward/service_requests`, `rollout/tokens`: 128
+fallback samples over 4 micro-batches show as 128, not 32); rates and means never match
+(`rollout/tokens_per_s`, `reward/mean`). Plus
 `timing/<phase>` (wall seconds from the phase's first dispatch to its last result in
 this step), `compute/<phase>`, `timing/step` and `policy_version` (the oldest policy that
 produced the step's samples), plus what `derive_step_metrics` adds:
@@ -31,13 +36,13 @@ Built-in sinks:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hybridflow.config.imports import load_attr
 from hybridflow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -87,8 +92,7 @@ def make_sinks(
     check_sinks(names)
     sinks = []
     for name in names:
-        module, cls_name = SINKS[name].split(":")
-        cls = getattr(importlib.import_module(module), cls_name)
+        cls = load_attr(SINKS[name], f"metrics.backends[{name!r}]")
         accepts = inspect.signature(cls).parameters
         kwargs: dict[str, Any] = {}
         if "topology" in accepts:
@@ -97,6 +101,22 @@ def make_sinks(
             kwargs["start_step"] = start_step
         sinks.append(cls(run_dir, **kwargs))
     return sorted(sinks, key=lambda s: bool(getattr(s, "CLOSE_LAST", False)))
+
+
+# Counter words (module docstring): a metric named by one is summed over a step's tasks.
+SUM_WORDS = ("count", "failures", "retries", "requests", "tokens")
+_SUM_SUFFIXES = tuple(f"_{w}" for w in SUM_WORDS)
+
+
+def is_counter(key: str) -> bool:
+    """True if metric `key` is a count to sum over a step's tasks (module docstring)."""
+    last = key.rsplit("/", 1)[-1]
+    return last in SUM_WORDS or last.endswith(_SUM_SUFFIXES)
+
+
+def reduce_step_metric(key: str, total: float, n: int) -> float:
+    """The step's value of metric `key` from the sum and number of its task values."""
+    return total if is_counter(key) else total / n
 
 
 def derive_step_metrics(metrics: StepMetrics, step_batch: int) -> None:

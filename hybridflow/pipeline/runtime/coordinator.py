@@ -3,7 +3,8 @@
 Which loop waits for what, and who unblocks it:
 
     stage processes ==(ROUTER socket)==> recv loop
-        Hello      -> Welcome (config hash + schema checked)     ready set grows
+        Hello      -> Welcome (proof of the run secret, then config hash; the connection
+                      is admitted: before that nothing else of it is acted on)  ready set grows
         Heartbeat  -> liveness clock of that replica             "ready" -> all_ready?
         Result     -> scheduler.complete()  --------------------> wake
         Failure    -> StageError (remote traceback)  -----------> done (error)
@@ -18,8 +19,15 @@ Which loop waits for what, and who unblocks it:
 
     liveness loop  every tick: launcher.poll() (a process exited -> StageDeadError) and
                    heartbeat ages (> liveness.heartbeat_timeout_s -> StageDeadError);
-                   before all stages are ready, liveness.startup_timeout_s bounds setup
-                   (rules and messages: pipeline/runtime/peers.py).
+                   before all stages are ready, liveness.startup_timeout_s bounds setup;
+                   task deadlines: a task running (as the stage's heartbeats report it)
+                   longer than its op's `timeout_s` (default liveness.task_timeout_s), or
+                   listed by no heartbeat within liveness.heartbeat_timeout_s of its
+                   sending (lost), and a driver op running longer than its bound ->
+                   StageError (rules and messages: pipeline/runtime/peers.py).
+    undecodable    a message from a known stage that cannot be decoded while that stage
+                   has tasks in flight (the channel's `on_bad_message`) -> StageError:
+                   what it carried is lost, and waiting for it would hang.
 
     checkpoint     (with a Checkpointer) after a due step finished: the scheduler holds
                    the next step (`sched.hold`), every stage process answers a `Control`
@@ -46,7 +54,6 @@ import asyncio
 import logging
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,9 +71,11 @@ from hybridflow.pipeline.compiler.plan import Plan
 from hybridflow.pipeline.driver.registry import resolve_driver_op
 from hybridflow.pipeline.observe.metrics import MetricsSink
 from hybridflow.pipeline.runtime.launcher import Launcher
-from hybridflow.pipeline.runtime.peers import StagePeer, check_liveness
+from hybridflow.pipeline.runtime.peers import StagePeer, check_deadlines, check_liveness
 from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Dispatch, Event, Scheduler
+from hybridflow.pipeline.runtime.workers import DaemonExecutor
 from hybridflow.pipeline.sources.registry import DataSource
+from hybridflow.transport import auth
 from hybridflow.transport.channel import Channel, Received
 from hybridflow.transport.protocol import (
     CheckpointSave,
@@ -114,6 +123,7 @@ class Coordinator:
         resume_dir: str | None = None,
         peers: dict[bytes, StagePeer] | None = None,
         config_hash: str | None = None,
+        secret: bytes = b"",
     ) -> None:
         self.plan = plan
         self.topo = plan.topology
@@ -137,6 +147,8 @@ class Coordinator:
             peers if peers is not None else {p.name.encode(): StagePeer(p) for p in plan.processes}
         )
         self.config_hash = config_hash or plan.config_hash
+        self.secret = secret  # the run's; a Hello without a proof keyed by it is refused
+        self.refused = 0  # Hellos refused (no valid proof, unknown stage, already connected)
         self.metrics: list[dict[str, float]] = []
         self.tasks_done = 0
         self._drivers = {
@@ -148,8 +160,12 @@ class Coordinator:
         }
         if resume_dir:  # driver ops with state (e.g. an adaptive KL coefficient)
             load_drivers(self._drivers, Path(resume_dir))
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="coordinator-compute")
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="coordinator-io")
+        # Daemon threads: Ctrl-C/SIGTERM must end the process within seconds even while
+        # a driver op or a data source is busy in them (a pool thread would be joined at
+        # interpreter exit, however long it runs).
+        self._compute = DaemonExecutor("coordinator-compute")
+        self._io = DaemonExecutor("coordinator-io")
+        self._driver_started: dict[int, tuple[float, Dispatch]] = {}  # monotonic start
         self._wake = asyncio.Event()
         self._sink_writes: list[asyncio.Future[Any]] = []
         self._aux: set[asyncio.Task[Any]] = set()
@@ -166,6 +182,7 @@ class Coordinator:
             self._task(self._recv_loop(), "coordinator.recv"),
             self._task(self._liveness_loop(), "coordinator.liveness"),
         ]
+        self.chan.on_bad_message = self._on_bad_message
         try:
             if up:
                 self._resume_peers()
@@ -180,6 +197,7 @@ class Coordinator:
             wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
             await asyncio.gather(*self._sink_writes)
         finally:
+            self.chan.on_bad_message = None
             for task in [*loops, *self._aux]:
                 task.cancel()
             await asyncio.gather(*loops, *self._aux, return_exceptions=True)
@@ -252,6 +270,12 @@ class Coordinator:
         try:
             while True:
                 rx = await self.chan.recv()
+                if not rx.trusted:  # a connection not admitted: only its Hello is read
+                    if isinstance(rx.msg, Hello):
+                        await self._welcome(rx.peer or b"", rx.msg)
+                    else:
+                        self._refuse(rx.peer, f"{type(rx.msg).__name__} before an accepted Hello")
+                    continue
                 peer = self.peers.get(rx.peer or b"")
                 if peer is None:
                     log.warning("message from unknown peer %r dropped", rx.peer)
@@ -287,6 +311,7 @@ class Coordinator:
             if not waiter.done():
                 waiter.set_result(None)
         elif isinstance(msg, Heartbeat):
+            peer.progress(msg, asyncio.get_running_loop().time())
             if msg.state.serving and not peer.ready:
                 peer.ready = True
                 log.info("%s ready", peer.info.name)
@@ -295,20 +320,35 @@ class Coordinator:
         elif isinstance(msg, Failure):
             self._fail(self._stage_error(peer, msg))
         elif isinstance(msg, Hello):
-            await self._welcome(peer, rx.peer or b"", msg)
+            log.debug("%s: repeated Hello ignored", peer.info.name)
 
-    async def _welcome(self, peer: StagePeer, ident: bytes, hello: Hello) -> None:
+    async def _welcome(self, conn: bytes, hello: Hello) -> None:
+        """Hello of connection `conn`, not admitted yet (transport/auth.py). Without a
+        proof of the run's secret for (run, stage, replica, conn) it is refused and the
+        run goes on: whoever sent it cannot fail or stall the run (the refusal is a
+        non-blocking reply). With one, it is our stage: the connection is admitted under
+        the stage's name, and a config that differs from ours ends the run."""
+        name = f"{hello.stage}/{hello.replica}".encode()
+        peer = self.peers.get(name)
+        if peer is None or not auth.verify(
+            self.secret, self.run_id, hello.stage, hello.replica, conn, hello.proof
+        ):
+            who = name.decode(errors="replace")
+            self._refuse(conn, f"Hello as {who} without a valid proof", answer=True)
+            return
+        if peer.connected:  # the stage's own connection is in already: a replay
+            self._refuse(conn, f"second Hello as {peer.info.name}", answer=True)
+            return
         info = peer.info
+        self.chan.admit(conn, name)
         reason = ""
-        if (hello.stage, hello.replica) != (info.stage, info.replica):
-            reason = f"identity {info.name} but Hello says {hello.stage}/{hello.replica}"
-        elif hello.config_hash != self.config_hash:
+        if hello.config_hash != self.config_hash:
             reason = (
                 f"config hash {hello.config_hash} differs from the coordinator's "
                 f"{self.config_hash}; every process must run the same topology"
             )
         await self.chan.send(
-            Welcome(run_id=self.run_id, accepted=not reason, reason=reason), to=ident
+            Welcome(run_id=self.run_id, accepted=not reason, reason=reason), to=name
         )
         if reason:
             self._fail(
@@ -316,6 +356,34 @@ class Coordinator:
             )
             return
         peer.pid, peer.connected = hello.pid, True
+        peer.last_seen = asyncio.get_running_loop().time()
+
+    def _refuse(self, conn: bytes | None, why: str, *, answer: bool = False) -> None:
+        """Count and log (without flooding) a message of a connection that has not proven
+        itself; `answer` a Hello with Welcome(accepted=False), never waiting for it."""
+        self.refused += 1
+        if self.refused <= 10 or self.refused % 1000 == 0:
+            log.warning("refused connection %r: %s (%d refused so far)", conn, why, self.refused)
+        if answer and conn is not None:
+            self.chan.reply(
+                Welcome(run_id=self.run_id, accepted=False, reason="not authenticated"), conn
+            )
+
+    def _on_bad_message(self, ident: bytes | None, exc: Exception, msg: Any) -> None:
+        """A known, accepted stage sent something undecodable while it had tasks in
+        flight: whatever it carried (a Result, a Failure) is lost, so the run would wait
+        for it forever. Unknown peers are not ours to judge here (the channel counts them)."""
+        peer = self.peers.get(ident or b"")
+        if peer is None or not peer.connected or not peer.inflight:
+            return
+        what = type(msg).__name__ if msg is not None else "message (unreadable header)"
+        self._fail(
+            StageError(
+                f"a {what} from {peer.name()} could not be decoded {peer.doing()}: {exc}; "
+                "what it carried is lost, so the run cannot go on",
+                **peer.where(),
+            )
+        )
 
     def _stage_error(self, peer: StagePeer, f: Failure) -> StageError:
         where = (
@@ -365,6 +433,7 @@ class Coordinator:
             op=op.op,
             params=dict(op.params),
         )
+        timeout_s, setting = self._deadline_of(d)
         for r in d.replicas:
             ident = f"{d.op.stage}/{r}".encode()
             peer = self.peers[ident]
@@ -376,6 +445,13 @@ class Coordinator:
                 # its exit status (a better message than "not connected").
                 await asyncio.sleep(0.5)
                 raise
+            peer.sent(d.task_id, asyncio.get_running_loop().time(), timeout_s, setting)
+
+    def _deadline_of(self, d: Dispatch) -> tuple[float, str]:
+        """(seconds, the dotted key that sets it) bounding one task of `d`'s op."""
+        if d.op.cfg.timeout_s is not None:
+            return d.op.cfg.timeout_s, f"dataflow[{d.op.index}].timeout_s"
+        return self.topo.liveness.task_timeout_s, "liveness.task_timeout_s"
 
     async def _fetch(self, step: int) -> None:
         loop = asyncio.get_running_loop()
@@ -398,10 +474,17 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         params = dict(d.op.cfg.params, step=d.step, mb_id=d.mb_id, policy_version=d.policy_version)
         t0 = time.perf_counter()
+        fn = self._drivers[d.op.index]
+
+        def call() -> Any:  # in the compute thread: the deadline starts when the op does
+            self._driver_started[d.task_id] = (time.monotonic(), d)
+            try:
+                return fn(d.inputs, params)
+            finally:
+                self._driver_started.pop(d.task_id, None)
+
         try:
-            outputs, metrics = await loop.run_in_executor(
-                self._compute, self._drivers[d.op.index], d.inputs, params
-            )
+            outputs, metrics = await loop.run_in_executor(self._compute, call)
             self.sched.complete(
                 d.task_id, DRIVER_REPLICA, outputs, metrics, time.perf_counter() - t0
             )
@@ -496,6 +579,27 @@ class Coordinator:
                     self.chan.forget_peer(peer.ident, peer.pid or None)
                 self._fail(error)
                 return
+            late = check_deadlines(self.peers, loop.time(), live) or self._driver_late()
+            if late is not None:
+                self._fail(late)
+                return
+
+    def _driver_late(self) -> StageError | None:
+        """A driver op running longer than its bound (its thread is abandoned: daemon)."""
+        now = time.monotonic()
+        for t0, d in list(self._driver_started.values()):
+            timeout_s, setting = self._deadline_of(d)
+            if now - t0 > timeout_s:
+                return StageError(
+                    f"driver op {d.op.cfg.op} at step {d.step} "
+                    + ("(step op)" if d.mb_id < 0 else f"micro-batch {d.mb_id}")
+                    + f" has run {now - t0:.1f}s in the coordinator's compute thread; "
+                    f"`{setting}` = {timeout_s:g}s bounds it: raise it if the op is merely slow",
+                    stage="driver",
+                    step=d.step,
+                    mb_id=d.mb_id,
+                )
+        return None
 
 
 async def shutdown_peers(chan: Channel, peers: dict[bytes, StagePeer], reason: str) -> None:

@@ -10,6 +10,8 @@ the coordinator never learns which.
 
 Invariants of the LocalLauncher:
   - the payload reaches the child as JSON on its stdin: plain data, nothing executable;
+    the run's secret travels there too, never in argv, the environment or a file;
+  - the child runs `python -P`: the working directory is not on its sys.path;
   - a child never outlives this process: PR_SET_PDEATHSIG(SIGKILL) is armed first thing
     in the child, which then checks the parent did not die before that (the stage also
     watches its parent pid in its heartbeat loop);
@@ -18,7 +20,8 @@ Invariants of the LocalLauncher:
   - `stop()` is idempotent and escalates: wait (the caller sent Shutdown already) ->
     SIGTERM -> SIGKILL, then reaps every child, so nothing is left, not even a zombie;
   - a child shows as `hf-<stage>-<replica>` in `ps -o comm` / top (/proc/<pid>/comm) and
-    as `python -m hybridflow.pipeline.runtime.launcher <stage>/<replica> <run_id>` in `ps aux`.
+    as `python -P -m hybridflow.pipeline.runtime.launcher <stage>/<replica> <run_id>` in
+    `ps aux`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
+_CHILD_MODULE = "hybridflow.pipeline.runtime.launcher"
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
 
@@ -52,6 +56,7 @@ class ProcessSpec:
     payload: dict[str, Any]  # plain data only
     title: str = ""  # short OS-visible name (<= 15 bytes shown), e.g. "hf-reward-0"
     env: dict[str, str] = field(default_factory=dict)  # set in the child before the import
+    pass_fds: tuple[int, ...] = ()  # inherited by the child under the same numbers
 
 
 @dataclass(frozen=True)
@@ -103,11 +108,14 @@ class LocalLauncher:
             env.update(spec.env)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
             run = str(spec.payload.get("run_id", ""))
+            # -P: no working directory on sys.path, so a `json.py` where the run was started
+            # is never imported in place of the real one (PYTHONPATH still applies).
             proc = subprocess.Popen(
-                [sys.executable, "-m", "hybridflow.pipeline.runtime.launcher", spec.name, run],
+                [sys.executable, "-P", "-m", _CHILD_MODULE, spec.name, run],
                 stdin=subprocess.PIPE,
                 env=env,
                 close_fds=True,
+                pass_fds=spec.pass_fds,
             )
             self._procs[spec.name] = proc
             header = {

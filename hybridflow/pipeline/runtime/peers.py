@@ -7,8 +7,17 @@ turns that plus the launcher's exit reports into the run's error, or None:
   - a process exited (kill -9, crash, early exit)      -> StageDeadError with its exit status
   - a connected stage silent > heartbeat_timeout_s     -> StageDeadError naming the setting
   - not every stage ready by startup_timeout_s         -> StageDeadError listing who is late
+`check_deadlines` bounds each task sent to a stage (the stage is alive, its task is not
+moving):
+  - running longer than its op's deadline              -> StageError naming the op, step,
+    (`dataflow[i].timeout_s`, else                        micro-batch and the setting; the
+    `liveness.task_timeout_s`), counted from the first    clock starts when a heartbeat
+    heartbeat that lists it running                       first lists the task running
+  - listed by no heartbeat (queued or running) for     -> StageError: the Task was lost on
+    liveness.heartbeat_timeout_s after it was sent        the way or the stage could not
+                                                          decode it
 Every message names stage, replica, pid and what it was doing (op, step, micro-batch).
-The coordinator's liveness loop calls it on a short tick; it never blocks.
+The coordinator's liveness loop calls both on a short tick; they never block.
 """
 
 from __future__ import annotations
@@ -18,11 +27,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.config.schema import LivenessConfig
-from hybridflow.errors import StageDeadError
+from hybridflow.errors import StageDeadError, StageError
 from hybridflow.pipeline.compiler.plan import ProcessInfo
 from hybridflow.pipeline.runtime.launcher import ProcessExit
+from hybridflow.transport.protocol import Heartbeat
 
 TaskRef = tuple[str, int, int]  # (op label, step, mb_id); mb_id -1 for a step op
+
+
+@dataclass
+class TaskClock:
+    """The deadline bookkeeping of one Task sent to a stage (loop clock times)."""
+
+    timeout_s: float  # the op's bound once started
+    setting: str  # the dotted key that sets it, for the error message
+    sent: float  # when the Task left the coordinator
+    started: float = 0.0  # when a heartbeat first listed it running (0: not yet)
+    seen: bool = False  # a heartbeat listed it (queued or running): the stage has it
 
 
 @dataclass
@@ -34,6 +55,8 @@ class StagePeer:
     last_seen: float = 0.0  # loop clock of the last message from it
     inflight: dict[int, TaskRef] = field(default_factory=dict)  # task_id -> task, send order
     last_given: TaskRef | None = None
+    clocks: dict[int, TaskClock] = field(default_factory=dict)  # task_id -> its deadline
+    worker_busy_s: float = 0.0  # from the last heartbeat
 
     @property
     def ident(self) -> bytes:
@@ -44,6 +67,25 @@ class StagePeer:
 
     def answered(self, task_id: int) -> None:
         self.inflight.pop(task_id, None)
+        self.clocks.pop(task_id, None)
+
+    def sent(self, task_id: int, now: float, timeout_s: float, setting: str) -> None:
+        """The Task left the coordinator: its lost-task bound starts now."""
+        if task_id in self.inflight:  # not answered meanwhile
+            self.clocks[task_id] = TaskClock(timeout_s, setting, now)
+
+    def progress(self, hb: Heartbeat, now: float) -> None:
+        """A heartbeat's task lists: start the deadline of tasks it shows running."""
+        self.worker_busy_s = hb.worker_busy_s
+        for task_id in hb.running:
+            clock = self.clocks.get(task_id)
+            if clock is not None:
+                clock.seen = True
+                clock.started = clock.started or now
+        for task_id in hb.queued:
+            clock = self.clocks.get(task_id)
+            if clock is not None:
+                clock.seen = True
 
     def doing(self) -> str:
         """What this stage was doing, for an error message."""
@@ -67,6 +109,43 @@ class StagePeer:
 def task_text(t: TaskRef) -> str:
     label, step, mb = t
     return f"{label} step {step} " + ("(step op)" if mb < 0 else f"micro-batch {mb}")
+
+
+def check_deadlines(
+    peers: dict[bytes, StagePeer], now: float, live: LivenessConfig
+) -> StageError | None:
+    """The first task past its deadline, or lost on its way to the stage, as an error."""
+    for peer in peers.values():
+        for task_id, clock in peer.clocks.items():
+            ref = peer.inflight.get(task_id)
+            if ref is None:
+                continue
+            where = {"stage": peer.info.stage, "replica": peer.info.replica}
+            where |= {"step": ref[1], "mb_id": ref[2]}
+            if clock.started and now - clock.started > clock.timeout_s:
+                busy = peer.worker_busy_s
+                stuck = (
+                    f"; its worker thread has finished nothing for {busy:.1f}s"
+                    if busy > clock.timeout_s / 2
+                    else ""
+                )
+                return StageError(
+                    f"{peer.name()}: {task_text(ref)} not answered {clock.timeout_s:g}s after "
+                    f"it started (the stage is alive but the task is stuck{stuck}); "
+                    f"`{clock.setting}` = {clock.timeout_s:g}s bounds one task of this op: "
+                    "raise it if the op is merely slow",
+                    **where,
+                )
+            if not clock.seen and now - clock.sent > live.heartbeat_timeout_s:
+                return StageError(
+                    f"{peer.name()} never received {task_text(ref)}: none of its heartbeats "
+                    f"listed it in the {now - clock.sent:.1f}s since it was sent (the message "
+                    "was lost or the stage could not decode it); "
+                    f"`liveness.heartbeat_timeout_s` = {live.heartbeat_timeout_s:g}s bounds "
+                    "this wait",
+                    **where,
+                )
+    return None
 
 
 def check_liveness(

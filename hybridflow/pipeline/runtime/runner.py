@@ -9,12 +9,18 @@ whatever happens (success, error, Ctrl-C, SIGTERM), tears down in this order:
 Invariant: when `run_topology` returns or raises, no process and no shared-memory
 segment of the run is left. (The Python API's Engine keeps a Session across calls.)
 
-Checkpoints and resume (pipeline/checkpoint/): with a `checkpointer` the coordinator
-saves after every due step; `resume_dir` + `start_step` continue a run from a
-checkpoint (each stage process restores its roles and RNG after setup, the coordinator
-its driver ops, and the scheduler starts at `start_step`: the data source and the
-samplers are deterministic in the step number, so the continuation equals the
-uninterrupted run).
+Checkpoints and resume (pipeline/checkpoint/): with a `checkpointer` (by default the
+one the topology's `checkpoint:` section describes) the coordinator saves after every
+due step; `resume_dir` + `start_step` continue a run from a checkpoint (each stage
+process restores its roles and RNG after setup, the coordinator its driver ops, and the
+scheduler starts at `start_step`: the data source and the samplers are deterministic in
+the step number, so the continuation equals the uninterrupted run). `resume_point`
+turns `--resume DIR|latest` into that pair after checking the checkpoint fits the
+topology (same stages, replicas, roles and seed; a step left to run).
+
+Before anything starts, the directories a run writes (run_dir, checkpoint.save_dir,
+transport.ipc_dir) are checked: one that cannot be created is a ConfigError naming its
+key (exit 2), not an OSError from deep inside the first metrics write.
 
 `cli_run` / `cli_validate` back `hybridflow run|validate CONFIG [--set k=v]`; errors
 propagate as HybridflowError (the CLI prints one line and exits 2; Ctrl-C exits 130).
@@ -23,14 +29,20 @@ propagate as HybridflowError (the CLI prints one line and exits 2; Ctrl-C exits 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from hybridflow.config.imports import cwd_off_path
+from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import Topology, load_topology
 from hybridflow.errors import ConfigError, StageError
+from hybridflow.pipeline.checkpoint import store as ckpt
 from hybridflow.pipeline.checkpoint.store import Checkpointer
 from hybridflow.pipeline.compiler.plan import build_plan, describe, describe_text
 from hybridflow.pipeline.observe.metrics import MetricsSink
@@ -38,7 +50,15 @@ from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.launcher import Launcher
 from hybridflow.pipeline.runtime.session import STAGE_ENTRY, Session, run_dir_of
 
-__all__ = ["STAGE_ENTRY", "cli_run", "cli_validate", "run_dir_of", "run_topology"]
+__all__ = [
+    "STAGE_ENTRY",
+    "checkpoint_dir",
+    "cli_run",
+    "cli_validate",
+    "resume_point",
+    "run_dir_of",
+    "run_topology",
+]
 
 log = logging.getLogger("hybridflow.runner")
 
@@ -57,9 +77,13 @@ def run_topology(
     """Run `topo` to completion and return its metrics/events. Raises HybridflowError.
 
     Runs steps `start_step` .. `topo.run.steps - 1`; `resume_dir` is the checkpoint the
-    stages restore from (see the module docstring)."""
+    stages restore from (see the module docstring). Without a `checkpointer`, the
+    topology's `checkpoint:` section (if any) makes one."""
     check_start(topo, start_step)
     plan = build_plan(topo, check_devices=True)
+    check_dirs(topo)
+    if checkpointer is None and topo.checkpoint is not None:
+        checkpointer = topology_checkpointer(topo)
     honour_log_level(topo.log_level)
     session = Session(plan, launcher=launcher, run_id=run_id, resume_dir=resume_dir)
     try:
@@ -75,6 +99,92 @@ def run_topology(
         exits = session.close("run finished")
     result.exits = exits
     return result
+
+
+def checkpoint_dir(topo: Topology) -> Path:
+    """Where the topology's checkpoints go: checkpoint.save_dir, else <run_dir>/checkpoints."""
+    cfg = topo.checkpoint
+    return (
+        Path(cfg.save_dir) if cfg is not None and cfg.save_dir else run_dir_of(topo) / "checkpoints"
+    )
+
+
+def topology_checkpointer(topo: Topology) -> Checkpointer | None:
+    """The Checkpointer the `checkpoint:` section describes (None without one)."""
+    if topo.checkpoint is None:
+        return None
+    cfg = dataclasses.replace(topo.checkpoint, save_dir=str(checkpoint_dir(topo)))
+    return Checkpointer(cfg, last_step=topo.run.steps - 1)
+
+
+def check_dirs(topo: Topology) -> None:
+    """The directories the run writes can be created (nothing is created here: a run
+    without file sinks leaves no run_dir behind); else a ConfigError naming the key."""
+    dirs = [("run_dir", run_dir_of(topo))]
+    if topo.checkpoint is not None:
+        dirs.append(("checkpoint.save_dir", checkpoint_dir(topo)))
+    if topo.transport.protocol == "ipc" and topo.transport.ipc_dir:
+        dirs.append(("transport.ipc_dir", Path(topo.transport.ipc_dir)))
+    for key, path in dirs:
+        why = _uncreatable(path.absolute())
+        if why:
+            raise ConfigError(
+                key, f"cannot create directory {str(path)!r}: {why}; choose a writable directory"
+            )
+
+
+def _uncreatable(path: Path) -> str:
+    """Why `mkdir -p path` would fail ("" if it would not), judged from its nearest
+    existing ancestor."""
+    if path.is_dir():
+        return "" if os.access(path, os.W_OK | os.X_OK) else "not writable"
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == path:
+        return "exists and is not a directory"
+    if not existing.is_dir():
+        return f"{str(existing)!r} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{str(existing)!r} is not writable"
+    return ""
+
+
+def resume_point(topo: Topology, spec: str) -> tuple[str, int]:
+    """`--resume DIR|latest` -> (checkpoint directory, the step to start at).
+
+    'latest' looks under the topology's checkpoint directory (`checkpoint_dir`). The
+    checkpoint must have been written by this topology's stages (same stages, replicas,
+    roles: each process restores its own part) and seed (the data order and samplers
+    derive from it), and must leave a step to run."""
+    try:
+        path = ckpt.resolve(spec, checkpoint_dir(topo))
+        meta = ckpt.read_meta(path)
+    except ConfigError as exc:
+        raise ConfigError("--resume", str(exc).removeprefix(f"{exc.path}: ")) from None
+    config = meta.get("config") or {}
+    theirs = ckpt.stage_layout(config.get("stages") or {})
+    ours = ckpt.stage_layout(to_dict(topo.stages))
+    if theirs != ours:
+        raise ConfigError(
+            "--resume",
+            f"{str(path)!r} was written by stages {theirs}; this topology has {ours} "
+            "(a checkpoint resumes the same roles on the same processes)",
+        )
+    if meta.get("seed") != topo.seed:
+        raise ConfigError(
+            "seed",
+            f"is {topo.seed}, but checkpoint {str(path)!r} was written with seed "
+            f"{meta.get('seed')}; resume with the seed the run started with",
+        )
+    step = int(meta["step"])
+    if step >= topo.run.steps:
+        raise ConfigError(
+            "run.steps",
+            f"is {topo.run.steps}, and checkpoint {str(path)!r} already holds {step} "
+            "step(s): nothing left to run; raise run.steps to train further",
+        )
+    return str(path), step
 
 
 def check_start(topo: Topology, start_step: int) -> None:
@@ -105,6 +215,13 @@ def _load(args: argparse.Namespace) -> Topology:
 
 
 def cli_validate(args: argparse.Namespace) -> int:
+    # A YAML names modules (`package.module:attr`) that validating imports: from installed
+    # packages and PYTHONPATH only, never the working directory unless asked.
+    with cwd_off_path(allow=bool(getattr(args, "allow_cwd_imports", False))):
+        return _validate(args)
+
+
+def _validate(args: argparse.Namespace) -> int:
     topo = _load(args)
     plan = build_plan(topo)
     note = ""
@@ -127,8 +244,15 @@ def cli_validate(args: argparse.Namespace) -> int:
 
 def cli_run(args: argparse.Namespace) -> int:
     topo = _load(args)
+    start, resume_dir = 0, None
+    resume = getattr(args, "resume", None)
+    if resume is not None:
+        resume_dir, start = resume_point(topo, resume)
+        print(f"resuming {topo.name} from {resume_dir} at step {start}")
+        if topo.checkpoint is None:
+            print("note: no checkpoint: section, so this run writes no further checkpoints")
     try:
-        result = run_topology(topo)
+        result = run_topology(topo, start_step=start, resume_dir=resume_dir)
     except StageError as exc:
         # The CLI prints the error as one line; show the remote traceback above it.
         if exc.remote_traceback:
@@ -148,4 +272,6 @@ def cli_run(args: argparse.Namespace) -> int:
     )
     if "jsonl" in topo.metrics.backends:
         print(f"metrics: {run_dir_of(topo) / 'metrics.jsonl'}")
+    if result.checkpoints:
+        print(f"checkpoint: {result.checkpoints[-1]}")
     return 0

@@ -42,7 +42,7 @@ import torch
 
 from hybridflow.errors import PipelineError, StageError
 from hybridflow.pipeline.compiler.plan import DATA, Plan, PlannedOp
-from hybridflow.pipeline.observe.metrics import derive_step_metrics
+from hybridflow.pipeline.observe.metrics import derive_step_metrics, reduce_step_metric
 
 Batch = dict[str, torch.Tensor]
 DRIVER_REPLICA = -1
@@ -394,7 +394,10 @@ class Scheduler:
     def _finish_in_order(self) -> None:
         while (st := self._steps.get(self._finished)) is not None and st.ops_left == 0:
             now = self.clock()
-            metrics = {k: st.metric_sum[k] / st.metric_n[k] for k in sorted(st.metric_sum)}
+            metrics = {  # counters summed, the rest averaged (observe/metrics.py)
+                k: reduce_step_metric(k, st.metric_sum[k], st.metric_n[k])
+                for k in sorted(st.metric_sum)
+            }
             for phase, t0 in st.phase_t0.items():
                 metrics[f"timing/{phase}"] = st.phase_t1.get(phase, now) - t0
                 metrics[f"compute/{phase}"] = st.compute.get(phase, 0.0)

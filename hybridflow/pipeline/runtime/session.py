@@ -41,9 +41,11 @@ import copy
 import enum
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import threading
 import uuid
@@ -65,7 +67,7 @@ from hybridflow.pipeline.runtime.coordinator import Coordinator, RunResult, shut
 from hybridflow.pipeline.runtime.launcher import Launcher, LocalLauncher, ProcessExit, ProcessSpec
 from hybridflow.pipeline.runtime.peers import StagePeer
 from hybridflow.pipeline.sources.registry import create_source
-from hybridflow.transport import aio, shm
+from hybridflow.transport import aio, auth, shm
 from hybridflow.transport.channel import Channel
 
 log = logging.getLogger("hybridflow.session")
@@ -93,6 +95,7 @@ class _Live:
     runner: asyncio.Runner
     ipc_dir: str | None
     shutdown_timeout_s: float
+    secret: bytes = field(default=b"", repr=False)  # proves a stage is ours (auth.py)
     chan: Channel | None = None
     peers: dict[bytes, StagePeer] = field(default_factory=dict)
     exits: list[ProcessExit] = field(default_factory=list)
@@ -145,6 +148,7 @@ class Session:
             runner=asyncio.Runner(loop_factory=aio.loop_factory()),
             ipc_dir=_ipc_dir(self.topo, self.run_id),
             shutdown_timeout_s=self.topo.liveness.shutdown_timeout_s,
+            secret=auth.new_secret(),
             peers={p.name.encode(): StagePeer(p) for p in plan.processes},
         )
         # Never leak a process: release on garbage collection / interpreter exit too.
@@ -261,6 +265,7 @@ class Session:
                 "router",
                 endpoint,
                 bind=True,
+                gated=True,  # nothing of a stage is acted on before its Hello proof
                 name="coordinator",
                 run_id=self.run_id,
                 hwm=t.hwm,
@@ -280,14 +285,27 @@ class Session:
             resume_dir=driver_state,
             peers=live.peers,
             config_hash=self.plan.config_hash,
+            secret=live.secret,
         )
         try:
             with _cancel_on_sigterm(terminated):
                 if launch:
                     self.state = SessionState.UP
-                    live.launcher.start(
-                        _specs(self.plan, self.run_id, live.chan.endpoint, self.resume_dir)
-                    )
+                    listeners: list[socket.socket] = []
+                    try:
+                        live.launcher.start(
+                            _specs(
+                                self.plan,
+                                self.run_id,
+                                live.chan.endpoint,
+                                self.resume_dir,
+                                secret=live.secret,
+                                listeners=listeners,
+                            )
+                        )
+                    finally:  # the sending processes hold their own copies now
+                        for sock in listeners:
+                            sock.close()
                 return await coord.run()
         finally:
             source.close()
@@ -313,8 +331,17 @@ def _links(topo: Topology, roles: set[str]) -> list[Any]:
 
 
 def _specs(
-    plan: Plan, run_id: str, endpoint: str, resume_dir: str | None = None
+    plan: Plan,
+    run_id: str,
+    endpoint: str,
+    resume_dir: str | None = None,
+    *,
+    secret: bytes,
+    listeners: list[socket.socket],
 ) -> list[ProcessSpec]:
+    """One spec per stage replica. `secret` travels in the payload (the launcher's stdin
+    pipe: never argv, env or a file). Listening sockets for the weight links are appended
+    to `listeners`: close them once the processes started (they inherited theirs)."""
     topo_data = to_dict(plan.topology)
     host = plan.topology.transport.host
     # Replicas of one stage are ranks of one group (data parallel / FSDP): give them a
@@ -323,30 +350,47 @@ def _specs(
         stage: f"tcp://{host}:{_free_port(host)}" for stage, n in plan.replicas.items() if n > 1
     }
     # Stage-to-stage weight links (disaggregated reshard): one endpoint per sending role.
-    weight_sync = endpoints(plan.topology, endpoint)
-    return [
-        ProcessSpec(
-            name=p.name,
-            target=STAGE_ENTRY,
-            payload={
-                "topology": copy.deepcopy(topo_data),  # each its own: launchers may edit
-                "stage": p.stage,
-                "replica": p.replica,
-                "endpoint": endpoint,
-                "run_id": run_id,
-                "run_dir": str(run_dir_of(plan.topology)),
-                "parent_pid": os.getpid(),
-                "init_method": init.get(p.stage, ""),
-                "resume_dir": resume_dir or "",
-                "weight_sync": copy.deepcopy(weight_sync),
-            },
-            title=f"hf-{p.stage}-{p.replica}",
+    weight_sync = endpoints(plan.topology, endpoint, listeners)
+    specs = []
+    for p in plan.processes:
+        links: dict[str, dict[str, Any]] = {}
+        fds: list[int] = []
+        for source, spec in weight_sync.items():
+            mine = spec["stage"] == p.stage and p.replica == 0  # the sending replica
+            links[source] = {k: v for k, v in spec.items() if mine or not k.endswith("_fd")}
+            fds += [v for k, v in spec.items() if mine and k.endswith("_fd")]
+        payload = {
+            "topology": copy.deepcopy(topo_data),  # each its own: launchers may edit
+            "stage": p.stage,
+            "replica": p.replica,
+            "endpoint": endpoint,
+            "run_id": run_id,
+            "run_dir": str(run_dir_of(plan.topology)),
+            "parent_pid": os.getpid(),
+            "init_method": init.get(p.stage, ""),
+            "resume_dir": resume_dir or "",
+            "weight_sync": links,
+            "secret": secret.hex(),
+        }
+        specs.append(
+            ProcessSpec(
+                name=p.name,
+                target=STAGE_ENTRY,
+                payload=payload,
+                title=f"hf-{p.stage}-{p.replica}",
+                pass_fds=tuple(fds),
+            )
         )
-        for p in plan.processes
-    ]
+    return specs
 
 
 def _free_port(host: str) -> int:
+    # Bind-close-rebind, kept for one port only: the torch.distributed rendezvous of a
+    # replicated stage, which its roles open themselves from `init_method` (rank 0's
+    # TCPStore binds it). Handing them a listening socket (TCPStore's master_listen_fd,
+    # as the weight links do) needs the roles (hybridflow/stages/) to take an fd. Until
+    # then a local process that grabs this port between here and rank 0's bind can make
+    # the rendezvous fail (an error naming the address) or pose as its store.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -358,7 +402,48 @@ def _ipc_dir(topo: Topology, run_id: str) -> str | None:
     base = topo.transport.ipc_dir or None
     if base:
         Path(base).mkdir(parents=True, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f"hf-{run_id[:8]}-", dir=base)
+    sweep_stale_ipc_dirs(base)
+    # The owner's pid is in the name: a coordinator killed with SIGKILL cannot remove its
+    # directory, the next session (here) does once that pid is gone.
+    return tempfile.mkdtemp(prefix=f"hf-{run_id[:8]}-p{os.getpid()}-", dir=base)
+
+
+_IPC_DIR_NAME = re.compile(r"^hf-[0-9A-Za-z_]{1,8}-p(\d+)-[0-9A-Za-z_]+$")
+
+
+def sweep_stale_ipc_dirs(base: str | None = None) -> list[str]:
+    """Remove the ipc directories (`hf-<run>-p<pid>-*`, ours only) whose coordinator pid is
+    no longer running; never one of a live process. -> the paths removed."""
+    base = base or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _IPC_DIR_NAME.match(entry)
+        if m is None or _pid_running(int(m.group(1))):
+            continue
+        path = os.path.join(base, entry)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            log.info("removed stale ipc directory %s (pid %s is gone)", path, m.group(1))
+    return removed
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def _no_running_loop() -> bool:

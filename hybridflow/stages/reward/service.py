@@ -22,20 +22,31 @@ service works on ids.
 
 Sample ids are `"<step>-<mb_id>-<row>"`: unique within a run, stable across retries.
 
-Threading: `Role.handle` runs in a worker thread of the stage process. The role owns a
-private asyncio loop running in its own thread ("reward-<protocol>-loop"), created in
-`setup` and stopped and closed in `close`; `handle` submits the client's coroutine to it
-and blocks on the result. HTTP connections and the ZMQ socket live on that loop between
-micro-batches, and `handle`/`close` work from any thread, even one that runs an event
-loop of its own. The client's timeouts and retries bound every wait.
+Concurrency: `score` is a concurrent op (stages/contract.py): the stage host awaits it
+on the stage process's event loop, several micro-batches at once, each awaiting the
+service without blocking the loop; no thread or loop of its own exists. The client's
+`max_concurrency` bounds the requests of all of them together, and its timeouts and
+retries bound every wait. The client opens its session/socket on its first request,
+so it belongs to the loop of the first `score` (aiohttp sessions and ZMQ sockets cannot
+move between loops): scoring on another loop is an error, and `aclose()`, awaited by
+the host on that loop before `close()`, releases it (`close()` releases a client that
+`aclose` missed, on its loop while that loop lives). A failing `score` raises only once
+the scores that arrived before it have finished, so failures reach the coordinator in
+micro-batch order (with a dead service the error names the first micro-batch, not
+whichever timed out first). Turning ids into `Item`s (decoding text with the
+tokenizer) runs in `asyncio.to_thread`: for micro-batches of thousands of tokens per
+row it takes 0.1-1 s of CPU, which would stall heartbeats and the other micro-batches'
+I/O on the loop. `handle` (scripts, tests) runs one `score` on a private loop and
+releases the client before that loop ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import math
-import threading
-from collections.abc import Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -61,6 +72,8 @@ _NOT_METADATA = (
     "metadata_json",
 )
 
+log = logging.getLogger("hybridflow.stages.reward")
+
 
 @dataclass(frozen=True, kw_only=True)
 class HttpOptions(ClientConfig):
@@ -81,9 +94,13 @@ class _ServiceReward(RoleBase):
     options_cls: ClassVar[type]
 
     def __init__(self) -> None:
-        self._loop: _LoopThread | None = None
+        self._make_client: Callable[[], RewardClient] | None = None
         self._client: RewardClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None  # None: not used yet
         self._tokenizer = None
+        self._closing: asyncio.Task[None] | None = None  # see close()
+        self._arrived = 0  # score calls so far: the arrival number of the next one
+        self._in_flight: dict[int, asyncio.Future[None]] = {}  # arrival number -> done
 
     def setup(self, ctx: StageContext) -> None:
         path = options_path(ctx)
@@ -93,19 +110,74 @@ class _ServiceReward(RoleBase):
             from hybridflow.models.loader import load_tokenizer  # only when text is wanted
 
             self._tokenizer = load_tokenizer(opts.tokenizer, None, f"{path}.tokenizer")
-        self._client = make_client(self.protocol, address, opts, path=path)
-        self._loop = _LoopThread(f"reward-{self.protocol}-loop")
+        self._make_client = functools.partial(make_client, self.protocol, address, opts, path=path)
+        # Made here so that a bad address or an unset token_env fails setup. It holds no
+        # loop-bound state yet: the session/socket and the semaphore are made on its
+        # first request, inside the loop of the first `score`.
+        self._client = self._make_client()
         ctx.log.info("reward service %s (%s)", address, self.protocol)
 
-    @op(inputs=("prompt_ids", "response_ids"), outputs=("rewards",))
-    def score(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+    @op(inputs=("prompt_ids", "response_ids"), outputs=("rewards",), concurrent=True)
+    async def score(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         """One reward per row from the external service (retried, then reported)."""
-        assert self._loop is not None and self._client is not None
         step, mb_id = int(params.get("step", 0)), int(params.get("mb_id", 0))
-        items = batch_to_items(batch, step=step, mb_id=mb_id, tokenizer=self._tokenizer)
-        result = self._loop.run(self._client.score(items, step=step, mb_id=mb_id))
+        client = self._bound_client()
+        seq, done = self._arrived, asyncio.get_running_loop().create_future()
+        self._arrived += 1
+        self._in_flight[seq] = done
+        try:
+            # Off the loop: decoding a micro-batch of long responses costs 0.1-1 s of CPU.
+            items = await asyncio.to_thread(
+                batch_to_items, batch, step=step, mb_id=mb_id, tokenizer=self._tokenizer
+            )
+            result = await client.score(items, step=step, mb_id=mb_id)
+        except Exception:
+            # Fail in arrival order: wait for the scores that came before this one, so
+            # that when a dead service fails every micro-batch the error names the first,
+            # not whichever timed out first.
+            earlier = [f for s, f in self._in_flight.items() if s < seq]
+            if earlier:
+                await asyncio.wait(earlier)
+            raise
+        finally:
+            del self._in_flight[seq]
+            done.set_result(None)
         rewards = torch.tensor(result.rewards, dtype=torch.float32)  # [B]
         return {"rewards": rewards}, _metrics(result)
+
+    def _bound_client(self) -> RewardClient:
+        """The client, bound to the running loop on first use (a new one after aclose)."""
+        loop = asyncio.get_running_loop()
+        if self._client_loop is None:
+            if self._client is None:
+                assert self._make_client is not None  # set by setup, which guards every op
+                self._client = self._make_client()
+            self._client_loop = loop
+        elif self._client_loop is not loop:
+            raise RuntimeError(
+                f"{type(self).__name__}: the {self.protocol} client belongs to another event "
+                "loop; run every call of a role on one loop and `await role.aclose()` on it "
+                "(`handle` does this for one call)"
+            )
+        assert self._client is not None
+        return self._client
+
+    def handle(self, op_name: str, batch: Any, params: Any) -> Any:
+        """`RoleBase.handle`, except that the client opened on the private loop is
+        released before that loop ends (nothing outlives it, the next call opens anew)."""
+        spec = self.op_spec(op_name)
+        fn = self.bound_op(spec)
+        if not spec.concurrent:
+            return fn(batch, params)
+
+        async def once() -> Any:
+            try:
+                return await fn(batch, params)
+            finally:
+                if self._client_loop is asyncio.get_running_loop():  # opened here
+                    await self.aclose()
+
+        return aio.run(once())
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -113,48 +185,48 @@ class _ServiceReward(RoleBase):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
+    async def aclose(self) -> None:
+        """Release the client's session/socket, on the loop that opened it (the host
+        awaits this on the stage's loop before `close`)."""
+        client, loop = self._client, self._client_loop
+        if client is None or loop is None:
+            return  # not used since setup / the last aclose: it holds nothing
+        if loop is not asyncio.get_running_loop():
+            raise RuntimeError(
+                f"{type(self).__name__}.aclose: await it on the loop that ran `score`"
+            )
+        self._client = self._client_loop = None
+        await client.aclose()
+
     def close(self) -> None:
-        if self._loop is None:
+        """Normally nothing is left: `aclose` released the client, or no `score` ever ran
+        (setup failed, or nothing was scored), so nothing was opened. If a caller scored
+        on its own loop and never awaited `aclose`, release the client on that loop."""
+        client, loop = self._client, self._client_loop
+        self._client = self._client_loop = self._make_client = None
+        self._tokenizer = None
+        if client is None or loop is None:
             return
-        try:
-            if self._client is not None:
-                self._loop.run(self._client.aclose())
-        finally:
-            self._loop.close()
-            self._loop, self._client = None, None
+        if loop.is_closed():  # its transports died with it; no other loop can close them
+            log.warning(
+                "%s: the loop that used the %s client closed before `aclose`; its "
+                "connections were left to the garbage collector",
+                type(self).__name__,
+                self.protocol,
+            )
+        elif not loop.is_running():
+            loop.run_until_complete(client.aclose())
+        elif _running_loop() is not loop:  # its loop runs in another thread
+            asyncio.run_coroutine_threadsafe(client.aclose(), loop).result()
+        else:  # called from a coroutine on that loop, which cannot block on it
+            self._closing = loop.create_task(client.aclose(), name="reward-client-close")
 
 
-class _LoopThread:
-    """An asyncio loop in a daemon thread; `run(coro)` blocks the caller until it is done."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = aio.loop_factory()()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        """Cancel what is left (a `handle` whose caller gave up), stop, join, close."""
-
-        async def cancel_rest() -> None:
-            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in rest:
-                t.cancel()
-            await asyncio.gather(*rest, return_exceptions=True)
-            await self.loop.shutdown_asyncgens()
-
-        try:
-            self.run(cancel_rest())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join()
-            self.loop.close()
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class HttpReward(_ServiceReward):

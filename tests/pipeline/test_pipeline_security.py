@@ -1,0 +1,234 @@
+"""Who gets into a run, and what an outsider can make it do (real processes and sockets).
+
+- a local process that connects first as `reward/0` with the (public) config hash is
+  refused and the real stage still gets in: the run completes with correct results;
+- what the impostor sends after its refusal is dropped, and a shared-memory segment it
+  names is neither opened nor unlinked;
+- stage processes do not import from the run's working directory (`python -P`), and
+  `validate` imports nothing from there unless `--allow-cwd-imports`;
+- `transport.host` off loopback is refused with its key;
+- ipc directories of dead coordinators are swept at the next start, live ones kept.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+import torch
+import yaml
+import zmq
+from pipeline_helpers import RecordingLauncher, leftovers
+
+from hybridflow.config.schema import load_topology
+from hybridflow.errors import ConfigError
+from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.runtime.runner import run_topology
+from hybridflow.pipeline.runtime.session import _ipc_dir, sweep_stale_ipc_dirs
+from hybridflow.transport import protocol, shm
+from hybridflow.transport.protocol import (
+    Heartbeat,
+    Hello,
+    Result,
+    ShmRef,
+    TensorDesc,
+    Welcome,
+)
+
+
+class _Impostor:
+    """A DEALER that connects as `reward/0` before any stage exists, says Hello with the
+    public config hash, then tries to feed the coordinator (a thread of the test)."""
+
+    def __init__(self, endpoint: str, run_id: str, config_hash: str) -> None:
+        self.endpoint, self.run_id, self.config_hash = endpoint, run_id, config_hash
+        self.welcome: Welcome | None = None
+        self.segment = ""  # a real segment of the run it names in a Result
+        self.segment_survived: bool | None = None
+        self.got: list[str] = []  # messages it received after the Welcome
+        self.connected = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="impostor", daemon=True)
+        self.thread.start()
+        assert self.connected.wait(10)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, b"reward/0")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        hello = Hello(
+            stage="reward", replica=0, pid=os.getpid(), roles=["reward"],
+            config_hash=self.config_hash,
+        )  # fmt: skip
+        sock.send_multipart(protocol.encode(hello))
+        self.connected.set()
+        try:
+            if sock.poll(30_000):
+                msg, _, _ = protocol.decode(sock.recv_multipart())
+                assert isinstance(msg, Welcome)
+                self.welcome = msg
+            # Refused, it goes on anyway: a heartbeat, and a Result naming a real segment
+            # of this run (with the run's own prefix, as a stage's would be).
+            writer = shm.ShmWriter(self.run_id)
+            data = torch.arange(64, dtype=torch.float32)
+            self.segment = writer.write([(0, memoryview(data.numpy()).cast("B"))], 256)
+            desc = TensorDesc(
+                name="rewards", dtype="float32", shape=[64], nbytes=256,
+                where=ShmRef(name=self.segment, offset=0, segment_bytes=256),
+            )  # fmt: skip
+            result = Result(
+                run_id=self.run_id, task_id=0, step=0, mb_id=0, policy_version=0,
+                role="reward", op="score", metrics={"reward/mean": 1.0},
+            )  # fmt: skip
+            sock.send_multipart(protocol.encode(Heartbeat(stage="reward", replica=0, seq=1)))
+            sock.send_multipart(protocol.encode(result, [desc]))
+            sock.send_multipart(protocol.encode(result))  # and without tensors
+            time.sleep(1.0)  # the coordinator has read them by now
+            self.segment_survived = os.path.exists(f"/dev/shm/{self.segment}")
+            os.unlink(f"/dev/shm/{self.segment}")
+            while not self.stop.is_set():  # stays connected, holding `reward/0`
+                if sock.poll(100):
+                    msg, _, _ = protocol.decode(sock.recv_multipart())
+                    self.got.append(type(msg).__name__)
+        finally:
+            sock.close(0)
+            ctx.term()
+
+
+class _ImpostorFirst(RecordingLauncher):
+    """Starts the impostor, connected, before the real stage processes."""
+
+    def __init__(self, config_hash: str) -> None:
+        super().__init__()
+        self.config_hash = config_hash
+        self.impostor: _Impostor | None = None
+
+    def start(self, specs):  # type: ignore[no-untyped-def]
+        payload = specs[0].payload
+        self.impostor = _Impostor(payload["endpoint"], payload["run_id"], self.config_hash)
+        time.sleep(0.3)  # its connection (identity `reward/0`) is registered by the ROUTER
+        super().start(specs)
+
+
+@pytest.mark.parametrize("protocol_", ["ipc", "tcp"])
+def test_impostor_connecting_first_as_a_stage_is_refused_and_the_run_completes(
+    topo_dict, protocol_
+):
+    data = topo_dict(steps=2)
+    data["transport"] = {"protocol": protocol_, "host": "127.0.0.1"}
+    topo = load_topology(data)
+    run_id = uuid.uuid4().hex[:12]
+    launcher = _ImpostorFirst(build_plan(topo).config_hash)
+    try:
+        res = run_topology(
+            topo, collect=("sample_idx", "rewards"), run_id=run_id, launcher=launcher
+        )
+    finally:
+        if launcher.impostor is not None:
+            launcher.impostor.stop.set()
+            launcher.impostor.thread.join(10)
+    imp = launcher.impostor
+    assert imp is not None
+    assert imp.welcome is not None and not imp.welcome.accepted
+    assert imp.welcome.reason == "not authenticated"
+    # Nothing it sent was acted on: the segment it named was not opened/unlinked, no
+    # task ever went to it, and the results are the real reward stage's.
+    assert imp.segment_survived is True
+    assert imp.got == []
+    assert [e.exitcode for e in res.exits] == [0, 0, 0]
+    done = [(e.step, e.op, e.mb_id) for e in res.events if e.kind == "done"]
+    assert len(done) == len(set(done)) == 2 * (3 * 8 + 3)
+    for s in range(2):
+        ids = torch.cat(res.collected[s]["sample_idx"])
+        assert torch.equal(ids, torch.arange(16 * s, 16 * (s + 1)))
+        assert torch.equal(torch.cat(res.collected[s]["rewards"]), ids.float())
+    assert not leftovers(run_id, launcher.started)
+
+
+def test_a_json_py_in_the_run_directory_is_not_imported_by_stages(topo_dict, tmp_path, monkeypatch):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    marker = tmp_path / "imported"
+    (cwd / "json.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\n")
+    monkeypatch.chdir(cwd)
+    run_id = uuid.uuid4().hex[:12]
+    res = run_topology(load_topology(topo_dict(steps=1)), run_id=run_id)
+    assert [e.exitcode for e in res.exits] == [0, 0, 0]
+    assert not marker.exists()
+
+
+def test_validate_imports_nothing_from_the_working_directory_unless_asked(topo_dict, tmp_path):
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_ops.py").write_text(
+        f"open({str(marker)!r}, 'w').write('pwned')\ndef double(inputs, params):\n"
+        "    return {'twice': inputs['rewards'] * 2}, {}\n"
+    )
+    data = topo_dict()
+    data["dataflow"].insert(
+        2,
+        {"role": "driver", "op": "evil_ops:double", "inputs": ["rewards"], "outputs": ["twice"]},
+    )
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(yaml.safe_dump(data, sort_keys=False))
+    env = dict(os.environ)  # PYTHONPATH as given (a test harness may set it): not the cwd
+    cmd = [sys.executable, "-m", "hybridflow", "validate", str(cfg)]
+    refused = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert refused.returncode == 2, refused.stderr
+    assert "cannot import module 'evil_ops'" in refused.stderr
+    assert not marker.exists()
+    allowed = subprocess.run(
+        [*cmd, "--allow-cwd-imports"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert allowed.returncode == 0, allowed.stderr
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.7", "example.org", "::"])
+def test_a_non_loopback_host_is_refused_with_its_key(topo_dict, host):
+    data = topo_dict()
+    data["transport"] = {"protocol": "tcp", "host": host}
+    with pytest.raises(ConfigError, match=r"transport\.host.*CurveZMQ is not implemented"):
+        load_topology(data)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_loopback_hosts_are_accepted(topo_dict, host):
+    data = topo_dict()
+    data["transport"] = {"protocol": "tcp", "host": host}
+    assert load_topology(data).transport.host == host
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_ipc_dirs_of_dead_coordinators_are_swept_live_ones_kept(tmp_path, topo_dict):
+    base = tmp_path / "ipc"
+    base.mkdir()
+    dead = base / f"hf-deadbeef-p{_dead_pid()}-x1y2"
+    live = base / f"hf-cafecafe-p{os.getpid()}-a1b2"
+    other = base / "hf-notours"  # not this naming scheme: never touched
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "coordinator").write_text("")
+    assert sweep_stale_ipc_dirs(str(base)) == [str(dead)]
+    assert not dead.exists() and live.exists() and other.exists()
+    # A new session sweeps on its own, and names its directory after its own pid.
+    dead.mkdir()
+    data: dict[str, Any] = topo_dict()
+    data["transport"] = {"ipc_dir": str(base)}
+    made = _ipc_dir(load_topology(data), "run12345678")
+    assert made is not None
+    assert os.path.basename(made).startswith(f"hf-run12345-p{os.getpid()}-")
+    assert not dead.exists() and live.exists()
+    os.rmdir(made)
