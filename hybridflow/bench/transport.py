@@ -111,7 +111,15 @@ async def _stage(endpoints: dict[str, str], gpu: dict[str, Any] | None) -> None:
 
             cuda = CudaIpcTier()
     chans = [
-        Channel("dealer", ep, bind=False, name=f"stage-{key}", identity=STAGE_ID, cuda=cuda)
+        Channel(
+            "dealer",
+            ep,
+            bind=False,
+            name=f"stage-{key}",
+            run_id="bench",  # the coordinator side's: shm names carry the run's prefix
+            identity=STAGE_ID,
+            cuda=cuda,
+        )
         for key, ep in endpoints.items()
     ]
     for ch in chans:

@@ -50,3 +50,21 @@ def test_bench_step_quick_reports_phases_and_throughput(tmp_path, monkeypatch):
     assert res["gen_tokens_per_s"] > 0 and 0 < res["response_len_mean"] <= 8
     assert -1.0 < res["overlap_share"] < 1.0
     assert res["peak_gpu_mem_gb"] is None  # CPU
+
+
+def test_bench_transport_quick_runs_every_cpu_tier(monkeypatch):
+    """`bench transport --quick` end to end on CPU: both processes agree on the run (its
+    shared-memory names carry the run's prefix, which receivers check)."""
+    from hybridflow.bench import transport
+
+    args = argparse.Namespace(
+        config=None,
+        overrides=["rtt_iters=50", "reps=2", "sizes_mib=1", "gpu_sizes_mib=1"],
+        quick=True,
+        json=True,
+        out=None,
+    )
+    res = transport.run(args)
+    tiers = {c["tier"] for c in res["cases"]}
+    assert {"rtt", "frame", "shm", "shm_oneshot"} <= tiers
+    assert all(c["gb_per_s"] >= 0 for c in res["cases"])

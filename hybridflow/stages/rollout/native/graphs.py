@@ -85,7 +85,10 @@ class DecodeGraphs:
 
     def _graph(self, fn: Callable[[], None], pool: object) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: in a hybrid-engine process the actor / reference run CUDA work in
+        # the worker thread while this (the engine's) thread captures, e.g. at wake_up; the
+        # default "global" mode lets any other thread's CUDA call invalidate the capture.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             fn()
         return graph
 
