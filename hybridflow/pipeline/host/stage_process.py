@@ -37,8 +37,9 @@ Disaggregated reshard (pipeline/host/weight_sync.py): when the topology links an
 weights stream stage to stage over the endpoint in the payload's `weight_sync`.
 
 Each task's `params` are the op's configured params plus `step`, `mb_id` and
-`policy_version` from the Task. Results carry `info["compute_s"]`, the seconds spent in
-`Role.handle`, which the coordinator reports per phase.
+`policy_version` from the Task. Results carry `info["compute_s"]`, the seconds the op ran
+(a plain op: in the worker thread, its wait for the thread excluded; a concurrent op: the
+call's wall time), which the coordinator reports per phase.
 
 Exit codes: 0 after Shutdown, 3 handshake rejected, 4 coordinator unreachable/gone,
 1 an unexpected exception (logged).
@@ -149,6 +150,7 @@ class StageProcess:
         self._held: dict[int, bool] = {}
         self._worker_since = 0.0  # monotonic start of the worker's current call; 0: idle
         self._reports: set[asyncio.Task[None]] = set()  # Failures for undecodable tasks
+        self._ran_s: dict[int, float] = {}  # task id -> seconds its op ran in the worker
 
     # ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -420,7 +422,9 @@ class StageProcess:
                 role=task.role,
                 op=task.op,
                 metrics={str(k): float(v) for k, v in metrics.items()},
-                info={"compute_s": time.perf_counter() - t0},
+                # Plain ops: seconds the worker thread spent in the op (queueing behind
+                # other tasks excluded); concurrent ops: the call's wall time.
+                info={"compute_s": self._ran_s.pop(task.task_id, time.perf_counter() - t0)},
             )
             await self._send(result, outputs)
         except Exception as exc:
@@ -428,6 +432,7 @@ class StageProcess:
         finally:
             self._running -= 1
             self._held.pop(task.task_id, None)
+            self._ran_s.pop(task.task_id, None)
 
     async def _run_control(self, msg: Control) -> None:
         """A control call of the coordinator (typed arguments, protocol.py): answered with
@@ -481,13 +486,15 @@ class StageProcess:
         started when the thread actually starts it (not while it waits for the thread)."""
 
         def call() -> Any:
-            self._worker_since = time.monotonic()
+            self._worker_since = start = time.monotonic()
             if task_id is not None and task_id in self._held:
                 self._held[task_id] = True  # an existing key: safe from this thread
             try:
                 return fn(*args)
             finally:
                 self._worker_since = 0.0
+                if task_id is not None:  # the op's own time, not its wait for the thread
+                    self._ran_s[task_id] = time.monotonic() - start
 
         self._busy = True
         try:
