@@ -9,7 +9,10 @@
   a peer; `check()` raises for the first peer silent longer than `timeout_s` (or whose
   `alive()` probe, e.g. a child's `Popen.poll() is None`, says it exited). A Channel given
   a table calls `seen` on every message and wakes at `next_deadline()` while it waits, so
-  a dead peer surfaces from `recv` within the bound instead of a hang.
+  a dead peer surfaces from `recv` within the bound instead of a hang. The coordinator
+  keeps one for its stages (`Coordinator.seen`, read by `runtime/peers.check_liveness`,
+  which adds what only it knows: exit statuses and the task a stage was running): this is
+  the one last-seen table and silence rule of the code base.
 - `Heartbeater` is one named asyncio task that sends `Heartbeat` on a channel every
   `interval_s`, never blocking (a peer that does not drain is the peer's problem, and the
   silence is what the other side detects).

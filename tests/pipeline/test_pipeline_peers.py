@@ -8,6 +8,7 @@ from hybridflow.errors import StageError
 from hybridflow.pipeline.compiler.plan import ProcessInfo
 from hybridflow.pipeline.runtime.launcher import ProcessExit
 from hybridflow.pipeline.runtime.peers import StagePeer, check_deadlines, check_liveness
+from hybridflow.transport.liveness import PeerTable
 from hybridflow.transport.protocol import Heartbeat
 
 LIVE = LivenessConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0, startup_timeout_s=10.0)
@@ -21,8 +22,28 @@ def peers() -> dict[bytes, StagePeer]:
     return out
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def table(ps: dict[bytes, StagePeer], clock: Clock, last_seen: dict[bytes, float]) -> PeerTable:
+    """The coordinator's last-seen table with the given times (a fake clock)."""
+    out = PeerTable(LIVE.heartbeat_timeout_s, clock=clock)
+    for ident, p in ps.items():
+        clock.now = last_seen.get(ident, 0.0)
+        out.add(ident, stage=p.info.stage, replica=0, pid=p.pid)
+    return out
+
+
 def test_all_well():
-    assert check_liveness(peers(), [], 1.0, LIVE, started_at=0.0, all_ready=True) is None
+    ps, clock = peers(), Clock()
+    seen = table(ps, clock, {})
+    clock.now = 1.0
+    assert check_liveness(ps, [], 1.0, LIVE, seen=seen, started_at=0.0, all_ready=True) is None
 
 
 def test_exit_wins_and_names_the_task():
@@ -30,7 +51,8 @@ def test_exit_wins_and_names_the_task():
     ps[b"reward/0"].given(7, ("reward.score", 3, 5))
     ps[b"reward/0"].given(8, ("reward.score", 3, 6))
     exits = [ProcessExit("reward/0", 100, -9)]
-    peer, err = check_liveness(ps, exits, 1.0, LIVE, started_at=0.0, all_ready=True)
+    seen = table(ps, Clock(), {})
+    peer, err = check_liveness(ps, exits, 1.0, LIVE, seen=seen, started_at=0.0, all_ready=True)
     assert peer is ps[b"reward/0"]
     assert str(err) == (
         "stage reward replica 0 (pid 100) was killed by SIGKILL while running reward.score "
@@ -40,18 +62,20 @@ def test_exit_wins_and_names_the_task():
 
 
 def test_silence_names_the_setting():
-    ps = peers()
-    ps[b"rollout/0"].last_seen, ps[b"reward/0"].last_seen = 5.0, 7.0
+    ps, clock = peers(), Clock()
+    seen = table(ps, clock, {b"rollout/0": 5.0, b"reward/0": 7.0})
+    clock.now = 7.5
     ps[b"rollout/0"].given(1, ("rollout.load_weights", 2, -1))
     ps[b"rollout/0"].answered(1)
-    _, err = check_liveness(ps, [], 7.5, LIVE, started_at=0.0, all_ready=True)
+    _, err = check_liveness(ps, [], 7.5, LIVE, seen=seen, started_at=0.0, all_ready=True)
     assert str(err) == (
         "stage rollout replica 0 (pid 100) sent nothing for 2.5s while idle; its last task "
         "was rollout.load_weights step 2 (step op); liveness.heartbeat_timeout_s = 2.0 bounds "
         "this wait (raise it if the stage blocks its event loop)"
     )
-    ps[b"rollout/0"].last_seen, ps[b"reward/0"].last_seen = 7.0, 0.0
-    _, err = check_liveness(ps, [], 7.5, LIVE, started_at=0.0, all_ready=True)
+    seen = table(ps, clock, {b"rollout/0": 7.0, b"reward/0": 0.0})
+    clock.now = 7.5
+    _, err = check_liveness(ps, [], 7.5, LIVE, seen=seen, started_at=0.0, all_ready=True)
     assert str(err).startswith(
         "stage reward replica 0 (pid 100) sent nothing for 7.5s before it was given any task;"
     )
@@ -61,9 +85,10 @@ def test_startup_timeout_lists_who_is_late():
     ps = peers()
     ps[b"reward/0"].ready = False
     ps[b"rollout/0"].ready = ps[b"rollout/0"].connected = False
-    for p in ps.values():
-        p.last_seen = 10.0
-    _, err = check_liveness(ps, [], 10.5, LIVE, started_at=0.0, all_ready=False)
+    clock = Clock()
+    seen = table(ps, clock, {b"rollout/0": 10.0, b"reward/0": 10.0})
+    clock.now = 10.5
+    _, err = check_liveness(ps, [], 10.5, LIVE, seen=seen, started_at=0.0, all_ready=False)
     assert str(err) == (
         "stages not ready within liveness.startup_timeout_s = 10.0s: "
         "rollout/0 (never connected), reward/0 (setting up)"

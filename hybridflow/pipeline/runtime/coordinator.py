@@ -77,6 +77,7 @@ from hybridflow.pipeline.runtime.workers import DaemonExecutor
 from hybridflow.pipeline.sources.registry import DataSource
 from hybridflow.transport import auth
 from hybridflow.transport.channel import Channel, Received
+from hybridflow.transport.liveness import PeerTable
 from hybridflow.transport.protocol import (
     CheckpointSave,
     Control,
@@ -147,6 +148,15 @@ class Coordinator:
             peers if peers is not None else {p.name.encode(): StagePeer(p) for p in plan.processes}
         )
         self.config_hash = config_hash or plan.config_hash
+        # When each connected stage was last heard from. Stages that are up already (a
+        # session's later job) start with a fresh clock: heartbeats queued between jobs
+        # are drained by the recv loop.
+        self.seen = PeerTable(
+            self.topo.liveness.heartbeat_timeout_s, setting="liveness.heartbeat_timeout_s"
+        )
+        for ident, peer in self.peers.items():
+            if peer.connected:
+                self._watch(ident, peer)
         self.secret = secret  # the run's; a Hello without a proof keyed by it is refused
         self.refused = 0  # Hellos refused (no valid proof, unknown stage, already connected)
         self.metrics: list[dict[str, float]] = []
@@ -224,13 +234,12 @@ class Coordinator:
         since the last job is a StageDeadError before any task goes out. Heartbeats that
         queued up between jobs are drained by the recv loop; the silence clock restarts."""
         now = asyncio.get_running_loop().time()
-        for peer in self.peers.values():
-            peer.last_seen = now
         dead = check_liveness(
             self.peers,
             self.launcher.poll(),
             now,
             self.topo.liveness,
+            seen=self.seen,
             started_at=now,
             all_ready=True,
         )
@@ -280,7 +289,7 @@ class Coordinator:
                 if peer is None:
                     log.warning("message from unknown peer %r dropped", rx.peer)
                     continue
-                peer.last_seen = asyncio.get_running_loop().time()
+                self.seen.seen(rx.peer, rx.msg)
                 await self._on_message(peer, rx)
         except HybridflowError as exc:
             self._fail(exc)
@@ -356,7 +365,13 @@ class Coordinator:
             )
             return
         peer.pid, peer.connected = hello.pid, True
-        peer.last_seen = asyncio.get_running_loop().time()
+        self._watch(name, peer)
+
+    def _watch(self, ident: bytes, peer: StagePeer) -> None:
+        info = peer.info
+        self.seen.add(
+            ident, label=peer.name(), stage=info.stage, replica=info.replica, pid=peer.pid
+        )
 
     def _refuse(self, conn: bytes | None, why: str, *, answer: bool = False) -> None:
         """Count and log (without flooding) a message of a connection that has not proven
@@ -570,6 +585,7 @@ class Coordinator:
                 self.launcher.poll(),
                 loop.time(),
                 live,
+                seen=self.seen,
                 started_at=self._t_launch_mono,
                 all_ready=self._all_ready.done(),
             )

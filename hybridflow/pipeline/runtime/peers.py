@@ -1,7 +1,8 @@
 """What the coordinator knows about each stage replica, and when that means "dead".
 
-`StagePeer` is bookkeeping only: handshake state, last time anything arrived, the tasks
-sent and not yet answered (oldest first: the one it is working on). `check_liveness`
+`StagePeer` is bookkeeping only: handshake state and the tasks sent and not yet answered
+(oldest first: the one it is working on). When each stage was last heard from lives in a
+`transport.liveness.PeerTable` (one last-seen table and silence rule for the code base). `check_liveness`
 turns that plus the launcher's exit reports into the run's error, or None:
 
   - a process exited (kill -9, crash, early exit)      -> StageDeadError with its exit status
@@ -30,6 +31,7 @@ from hybridflow.config.schema import LivenessConfig
 from hybridflow.errors import StageDeadError, StageError
 from hybridflow.pipeline.compiler.plan import ProcessInfo
 from hybridflow.pipeline.runtime.launcher import ProcessExit
+from hybridflow.transport.liveness import PeerTable
 from hybridflow.transport.protocol import Heartbeat
 
 TaskRef = tuple[str, int, int]  # (op label, step, mb_id); mb_id -1 for a step op
@@ -52,7 +54,6 @@ class StagePeer:
     pid: int = 0
     connected: bool = False  # Hello accepted
     ready: bool = False  # setup done (a "ready"/"busy" heartbeat arrived)
-    last_seen: float = 0.0  # loop clock of the last message from it
     inflight: dict[int, TaskRef] = field(default_factory=dict)  # task_id -> task, send order
     last_given: TaskRef | None = None
     clocks: dict[int, TaskClock] = field(default_factory=dict)  # task_id -> its deadline
@@ -154,25 +155,30 @@ def check_liveness(
     now: float,
     live: LivenessConfig,
     *,
+    seen: PeerTable,
     started_at: float,
     all_ready: bool,
 ) -> tuple[StagePeer | None, StageDeadError] | None:
     """The first dead/silent/late stage as (peer, error), or None if all is well.
-    `exits`: processes the launcher saw exit; `now`/`started_at`: the loop clock."""
+    `exits`: processes the launcher saw exit; `seen`: the last-seen table of the connected
+    stages (transport/liveness.py, the one silence rule of the code base); `now` and
+    `started_at`: the loop clock, for the startup bound."""
     for ex in exits:
         peer = peers[ex.name.encode()]
         peer.pid = peer.pid or ex.pid  # it may have died before its Hello
         text = f"{peer.name(ex.pid)} {ex.describe()} {peer.doing()}"
         return peer, StageDeadError(text, **peer.where())
-    for peer in peers.values():
-        silent = now - peer.last_seen
-        if peer.connected and silent > live.heartbeat_timeout_s:
-            text = (
-                f"{peer.name()} sent nothing for {silent:.1f}s {peer.doing()}; "
-                f"liveness.heartbeat_timeout_s = {live.heartbeat_timeout_s} bounds this wait "
-                "(raise it if the stage blocks its event loop)"
-            )
-            return peer, StageDeadError(text, **peer.where())
+    for info in seen.expired():
+        peer = peers.get(info.key)  # type: ignore[call-overload]
+        if peer is None or not peer.connected:
+            continue
+        silent = seen.clock() - info.last_seen
+        text = (
+            f"{peer.name()} sent nothing for {silent:.1f}s {peer.doing()}; "
+            f"liveness.heartbeat_timeout_s = {live.heartbeat_timeout_s} bounds this wait "
+            "(raise it if the stage blocks its event loop)"
+        )
+        return peer, StageDeadError(text, **peer.where())
     if not all_ready and now - started_at > live.startup_timeout_s:
         late = [
             f"{p.info.name} ({'setting up' if p.connected else 'never connected'})"
