@@ -7,8 +7,9 @@ REINFORCE++ advantages (whitened discounted returns); the sampler's log-probs ar
 
     python examples/minimal_ppo.py [--steps 8] [--log-dir runs/minimal_ppo]
 
-Prints the reward per step and a few generations of the trained policy, scored;
-metrics land in <log-dir>/metrics.jsonl.
+Prints the reward per step, then one more training step on a few prompts of its own
+(`engine.run`: the declared outputs, here the trained policy's responses and their
+rewards); metrics land in <log-dir>/metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     df.add_actor(model_name="tiny", device_mapping="cpu", lr=1e-2, max_new_tokens=3)
     # Same mapping as the actor: one process hosts everything (the smallest footprint).
     df.add_reward_function("hybridflow.data.tasks:last_digit_reward", device_mapping="cpu")
-    df.define_training_step(inputs=["prompt"], outputs=["loss", "rewards"], logic=LOGIC)
+    outputs = ["loss", "rewards", "response"]
+    df.define_training_step(inputs=["prompt"], outputs=outputs, logic=LOGIC)
     df.configure(step_batch=32, micro_batch=16)
     engine = df.build(log_level="WARNING", metrics_backend="jsonl", log_dir=args.log_dir)
 
@@ -46,10 +48,15 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         zip(result.outputs["rewards"], result.outputs["loss"], strict=True)
     ):
         print(f"step {step:3d}  reward/mean {reward:.3f}  actor/pg_loss {loss:+.2e}")
-    # Generate + score with the trained policy (a run resumed from the last checkpoint).
-    for row in engine.run(PROMPTS):
-        print(f"{row['prompt']!r:16} -> {row['response']!r:10} reward {row['reward']:.2f}")
-    print(f"metrics: {result.run_dir}/metrics.jsonl  checkpoint: {result.checkpoint}")
+    # One more step on these prompts (the logic updates the actor, so `run` trains):
+    # the trained policy's responses, their rewards (one row per prompt) and the loss.
+    results = engine.run(PROMPTS)
+    for prompt, response, reward in zip(
+        PROMPTS, results["response"], results["rewards"].tolist(), strict=True
+    ):
+        print(f"{prompt!r:16} -> {response!r:10} reward {reward:.2f}")
+    print(f"run step: actor/pg_loss {results['loss'].item():+.2e}")
+    print(f"metrics: {result.run_dir}/metrics.jsonl  checkpoint: {engine.state}")
     return result.outputs
 
 

@@ -328,9 +328,21 @@ def _is_loopback(host: str) -> bool:
 
 
 @dataclass(frozen=True)
+class TrackerOptions:
+    """`metrics.options`: what the experiment trackers (wandb, mlflow) are told about the
+    run (pipeline/observe/trackers.py). "" = the tracker's environment variable
+    (WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, WANDB_NAME), else the topology's name."""
+
+    project: str = ""  # wandb project, mlflow experiment
+    run_name: str = ""  # the run's display name in either tracker
+    tags: tuple[str, ...] = ()  # wandb tags; mlflow tags with an empty value
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     # Names of registered sinks (hybridflow.pipeline.observe.metrics): jsonl, memory, ...
     backends: tuple[str, ...] = ("jsonl",)
+    options: TrackerOptions = field(default_factory=TrackerOptions)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from hybridflow.errors import ConfigError
 
 @dataclass
 class DataOptions:
-    source: str = ""  # .jsonl / .json / .parquet / datasets directory / task:NAME
+    # .jsonl / .json / .parquet / datasets directory / task:NAME / memory:N (data/memory.py)
+    source: str = ""
     prompt_key: str = "prompt"  # a string, or a list of {role, content} chat messages
     max_prompt_length: int = 256  # tokens
     truncation: Literal["error", "left", "right"] = "error"
@@ -60,11 +61,9 @@ class PromptDataset:
     ) -> None:
         if not records:
             raise ConfigError(f"{path}.source", f"{opts.source!r} holds no records")
-        use_template = opts.chat_template == "auto" and bool(
-            getattr(tokenizer, "chat_template", None)
-        )
+        use_template = uses_template(tokenizer, opts)
         self.items = [
-            _make_item(i, rec, tokenizer, opts, use_template, path) for i, rec in enumerate(records)
+            make_item(i, rec, tokenizer, opts, use_template, path) for i, rec in enumerate(records)
         ]
 
     @classmethod
@@ -83,9 +82,15 @@ class PromptDataset:
         return self.items[i]
 
 
-def _make_item(
+def uses_template(tokenizer: Any, opts: DataOptions) -> bool:
+    """Whether prompts go through the tokenizer's chat template."""
+    return opts.chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
+
+
+def make_item(
     index: int, rec: Record, tokenizer: Any, opts: DataOptions, use_template: bool, path: str
 ) -> PromptItem:
+    """One record -> its PromptItem; `index` is stored as metadata["index"]."""
     where = f"{path}.source row {index}"
     if opts.prompt_key not in rec:
         raise ConfigError(

@@ -5,8 +5,9 @@ Sources:
   path.json            a JSON array of objects
   path.parquet         needs `pyarrow`
   directory            a Hugging Face `datasets` directory (`save_to_disk` output); read
-                       with `datasets` when installed, else directly with `pyarrow`
-                       (the on-disk format is Arrow IPC streams listed in state.json)
+                       with `datasets` when installed (and the directory has its
+                       dataset_info.json), else directly with `pyarrow` (the on-disk
+                       format is Arrow IPC streams listed in state.json)
   task:NAME            a built-in synthetic task (tasks.py), `size` prompts from `seed`
 
 Invariants: records are plain JSON-like dicts; nothing is unpickled or eval'd; every
@@ -33,6 +34,12 @@ def load_records(
     path: str = "data.source",
 ) -> list[Record]:
     """All records of `source` (see the module docstring). `size`/`seed`: task sources."""
+    if source.startswith("memory:"):
+        raise ConfigError(
+            path,
+            "an in-memory dataset (torch / Hugging Face object) feeds the prompts source of "
+            "Engine.train; here give a task name, a file or a list of records",
+        )
     if source.startswith("task:"):
         from hybridflow.data.tasks import TASKS
 
@@ -118,6 +125,8 @@ def _read_hf_dir(p: Path, split: str | None, path: str) -> list[Record]:
             path,
             f"{p} is not a Hugging Face datasets directory (no state.json / dataset_dict.json)",
         )
+    if not (p / "dataset_info.json").is_file():  # not written by `datasets` itself
+        return _read_arrow_dir(p, path)
     try:
         import datasets
     except ImportError:

@@ -6,7 +6,7 @@ The same structs travel as JSON over HTTP and as MessagePack over ZeroMQ:
                    "items": [{"id": str, "prompt": str, "response": str,
                               "prompt_ids": [int], "response_ids": [int],
                               "metadata": {str: any JSON value}}]}
-    ScoreReply    {"version": 1, "request_id": str,
+    ScoreReply    {"version": 1, "request_id": str?,
                    "rewards": [{"id": str, "reward": number, "info": {str: scalar}?}]}
     ErrorReply    {"version": 1, "error": str, "request_id": str?}   (any non-200 answer)
     Health        {"version": 1, "status": "ok", "max_batch": int}
@@ -18,13 +18,19 @@ from a cache instead of scoring twice (the SDK server does), and a client that s
 replies for one request (ZeroMQ delivers late replies) accepts the first and drops the
 rest. Sample ids are opaque strings, unique within a run; a service echoes them back.
 
+The reply's `request_id` is optional, and checked only when present: the minimal reply
+`{"version": 1, "rewards": [{"id", "reward"}]}` is valid. Nothing needs it for matching:
+an HTTP response answers the request it came on, and over ZeroMQ replies are routed by
+the request_id *frame* (below), which stays required. The sample ids, always checked
+against the request, are what keeps a reply from being counted for the wrong samples.
+
 Validation lives here, in exactly two functions, one per direction:
   - `decode_request` (server side) raises `RequestRejected(status, message)`;
   - `decode_reply`   (client side) raises `RewardProtocolError` naming the service and
     the sample ids. Missing, extra or duplicate ids, a wrong count, NaN/inf, a number
     beyond float32's range (it would become inf in the float32 `rewards` tensor),
-    non-numbers, an oversize body, a wrong version or a mismatched request_id are all
-    protocol errors: a broken reply never turns into a zero.
+    non-numbers, an oversize body, a wrong version or a request_id that is present but
+    not the request's are all protocol errors: a broken reply never turns into a zero.
 
 Unknown keys are ignored in both directions so that a service can add diagnostics and a
 future client can add fields without a version bump; anything that changes the meaning
@@ -78,9 +84,9 @@ class Reward(msgspec.Struct, frozen=True, omit_defaults=True):  # no "info": nul
     info: dict[str, Scalar] | None = None
 
 
-class ScoreReply(msgspec.Struct, frozen=True):
+class ScoreReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     version: int
-    request_id: str
+    request_id: str | None = None  # optional (module docstring); null reads as absent
     rewards: list[Reward]
 
 
@@ -212,7 +218,7 @@ def decode_reply(
         raise bad(f"malformed reply ({exc}); starts with {data[:120]!r}") from exc
     if reply.version != PROTOCOL_VERSION:
         raise bad(f"reply version {reply.version}, this client speaks {PROTOCOL_VERSION}")
-    if request.request_id and reply.request_id != request.request_id:
+    if request.request_id and reply.request_id not in (None, request.request_id):
         raise bad(f"reply is for request_id {reply.request_id!r}")
     out: dict[str, Reward] = {}
     for r in reply.rewards:

@@ -19,7 +19,8 @@ From them:
     returned (the host, not each role, guards that);
   - planning and `hybridflow validate` check every dataflow op against the backend's
     declaration (`check_dataflow_op`): unknown op (with a did-you-mean), wrong scope,
-    outputs the op does not produce, inputs it needs but is not given. A typo in a preset
+    outputs the op does not produce, inputs it needs but is not given, a `params:` key
+    the op does not read (`@op(params=...)`). A typo in a preset
     fails before any process starts, naming `dataflow[i].op`.
 
 Concurrency (what the host guarantees, see pipeline/host/dispatch.py):
@@ -70,6 +71,9 @@ class OpSpec:
     outputs: tuple[str, ...] | None = ()  # fields it produces; None: any (declared by config)
     concurrent: bool = False  # an `async def`, several in flight at once
     doc: str = ""
+    # Keys of the dataflow op's `params:` the op reads (per-call settings such as
+    # generate's sampling overrides); any other key is a typo. None: any key.
+    params: tuple[str, ...] | None = ()
 
 
 _MARK = "__hybridflow_op__"
@@ -82,6 +86,7 @@ def op(
     inputs: tuple[str, ...] = (),
     outputs: tuple[str, ...] | None = (),
     concurrent: bool = False,
+    params: tuple[str, ...] | None = (),
 ) -> Callable[[F], F]:
     """Declare the decorated method as op `name` (default: the method's name)."""
 
@@ -100,6 +105,7 @@ def op(
             outputs=None if outputs is None else tuple(outputs),
             concurrent=concurrent,
             doc=(inspect.getdoc(fn) or "").split("\n", 1)[0],
+            params=None if params is None else tuple(params),
         )
         setattr(fn, _MARK, spec)
         return fn
@@ -238,6 +244,7 @@ def check_dataflow_op(
     inputs: list[str] | tuple[str, ...],
     outputs: list[str] | tuple[str, ...],
     path: str,
+    params: Mapping[str, Any] | None = None,
 ) -> OpSpec:
     """Check one dataflow op (`path` = its dotted key, e.g. `dataflow[0]`) against the
     backend's declaration; ConfigError naming the key and the fix."""
@@ -261,6 +268,15 @@ def check_dataflow_op(
                 f"{cls.__name__}.{op_name} does not produce {extra}; it produces "
                 f"{list(spec.outputs) or 'nothing (metrics only)'}",
             )
+    if spec.params is not None:
+        for key in params or {}:
+            if key not in spec.params:
+                known = ", ".join(spec.params) or "none"
+                raise ConfigError(
+                    f"{path}.params.{key}",
+                    f"{cls.__name__}.{op_name} reads no param {key!r}; its params: {known}"
+                    + _did_you_mean(key, dict.fromkeys(spec.params)),
+                )
     # Ops fed whole by the coordinator list their inputs; a step op without inputs (a
     # weight-link load_weights, an optimizer step) gets none and needs none.
     if inputs:

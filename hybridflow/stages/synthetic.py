@@ -13,10 +13,13 @@ Options (all optional):
                   small CPU) or "busy" (spins a CPU core)
   ops             per-op overrides, e.g. {reshard: {ms_per_task: 20}}
   output_len      width of `*_ids` / `*_mask` outputs (default 4)
-  fail_at         {op, step, mb_id?}: raise RuntimeError there (error-path tests)
+  fail_at         {op, step, mb_id?}: raise RuntimeError there (error-path tests);
+                  {op: setup}: in setup, before any task
   die_at          {op, step, mb_id?}: SIGKILL this process there (crash tests)
   expect_ordered  [op, ...]: raise if those ops see the first column of their first
                   input not strictly increasing across calls (order guarantees)
+Parsed strictly (`SyntheticOptions`, checked at plan time too): a typo such as
+`ms_per_smaple` or `ops.reshard.ms_per_tsk` fails at validate with its dotted key.
 
 Outputs: `tag` = first column of the first input as int64 (the input itself if 1-D;
 `[policy_version]` for an op without inputs), B = len(tag);
@@ -33,64 +36,80 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
+from hybridflow.config.loader import from_dict
+from hybridflow.errors import ConfigError
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.contract import OpSpec, RoleBase
 
-_OPTIONS = {
-    "ms_per_sample",
-    "ms_per_task",
-    "work",
-    "ops",
-    "output_len",
-    "fail_at",
-    "die_at",
-    "expect_ordered",
-}
+
+@dataclass(frozen=True)
+class OpCost:
+    ms_per_sample: float = 0.0
+    ms_per_task: float = 0.0
+
+    def validate(self, path: str) -> None:
+        for key in ("ms_per_sample", "ms_per_task"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{path}.{key}", f"must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Where a failure is injected: every key left out matches anything."""
+
+    op: str | None = None
+    step: int | None = None
+    mb_id: int | None = None
+
+
+@dataclass(frozen=True)
+class SyntheticOptions(OpCost):
+    work: Literal["sleep", "busy"] = "sleep"
+    ops: dict[str, OpCost] = field(default_factory=dict)  # per-op cost overrides
+    output_len: int = 4
+    fail_at: Injection | None = None
+    die_at: Injection | None = None
+    expect_ordered: list[str] = field(default_factory=list)
+
+    def validate(self, path: str) -> None:
+        super().validate(path)
+        if self.output_len < 1:
+            raise ConfigError(f"{path}.output_len", f"must be >= 1, got {self.output_len}")
 
 
 class SyntheticRole(RoleBase):
     """Plays any op the dataflow gives it: its declaration is the dataflow's (scope and
     outputs come from the config), so `find_op` answers for every name."""
 
+    options_cls = SyntheticOptions  # checked at plan time too (pipeline/compiler/plan.py)
+
     @classmethod
     def find_op(cls, name: str) -> OpSpec:
-        return OpSpec(name=name, method="run", scope=None, outputs=None)
+        return OpSpec(name=name, method="run", scope=None, outputs=None, params=None)
 
     def bound_op(self, spec: OpSpec) -> Callable[..., Any]:
         RoleBase.bound_op(self, spec)  # the set-up guard
         return functools.partial(self.run, spec.name)
 
     def setup(self, ctx: StageContext) -> None:
-        opts = dict(ctx.options)
-        unknown = sorted(set(opts) - _OPTIONS)
-        if unknown:
-            raise ValueError(f"synthetic: unknown option(s) {unknown}; known: {sorted(_OPTIONS)}")
+        opts = from_dict(SyntheticOptions, dict(ctx.options), "synthetic.options")
         self.name = str(ctx.world.get("role", "synthetic"))
         self.dataflow: dict[str, dict[str, Any]] = dict(ctx.world.get("dataflow", {}))
-        self.work = opts.get("work", "sleep")
-        if self.work not in ("sleep", "busy"):
-            raise ValueError(f"synthetic: work must be 'sleep' or 'busy', got {self.work!r}")
-        self.default_cost = self._cost(opts, "options")
-        self.op_costs = {
-            op: self._cost(c, f"ops.{op}") for op, c in dict(opts.get("ops", {})).items()
-        }
-        self.output_len = int(opts.get("output_len", 4))
-        self.fail_at = opts.get("fail_at")
-        self.die_at = opts.get("die_at")
-        self.expect_ordered = set(opts.get("expect_ordered", []))
+        self.work = opts.work
+        self.default_cost = (opts.ms_per_sample, opts.ms_per_task)
+        self.op_costs = {op: (c.ms_per_sample, c.ms_per_task) for op, c in opts.ops.items()}
+        self.output_len = opts.output_len
+        self.fail_at = opts.fail_at
+        self.die_at = opts.die_at
+        self.expect_ordered = set(opts.expect_ordered)
         self._last_tag: dict[str, int] = {}
-
-    @staticmethod
-    def _cost(opts: dict[str, Any], where: str) -> tuple[float, float]:
-        per_sample = float(opts.get("ms_per_sample", 0.0))
-        per_task = float(opts.get("ms_per_task", 0.0))
-        if per_sample < 0 or per_task < 0:
-            raise ValueError(f"synthetic: {where}: costs must be >= 0")
-        return per_sample, per_task
+        if opts.fail_at is not None and opts.fail_at.op == "setup":
+            raise RuntimeError("synthetic failure injected at setup")
 
     def run(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         spec = self.dataflow.get(op, {"inputs": list(batch), "outputs": [], "scope": "micro_batch"})
@@ -166,11 +185,11 @@ class SyntheticRole(RoleBase):
         pass
 
 
-def _matches(where: Any, op: str, params: Params) -> bool:
-    if not where:
+def _matches(where: Injection | None, op: str, params: Params) -> bool:
+    if where is None:
         return False
     return (
-        where.get("op", op) == op
-        and where.get("step", params.get("step")) == params.get("step")
-        and where.get("mb_id", params.get("mb_id")) == params.get("mb_id")
+        where.op in (None, op)
+        and where.step in (None, params.get("step"))
+        and where.mb_id in (None, params.get("mb_id"))
     )

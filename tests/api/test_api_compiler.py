@@ -14,7 +14,17 @@ from hybridflow.config.schema import load_topology
 from hybridflow.errors import CompileError
 from hybridflow.pipeline.compiler import expr
 from hybridflow.pipeline.compiler.frontend import KINDS, analyze, compile_step
-from hybridflow.pipeline.compiler.ir import KL, Alias, Apply, Arith, Call, Penalty, StepIR, Value
+from hybridflow.pipeline.compiler.ir import (
+    KL,
+    Alias,
+    Apply,
+    Arith,
+    Call,
+    Penalty,
+    StepIR,
+    StepOutput,
+    Value,
+)
 from hybridflow.pipeline.compiler.lowering import lower
 from hybridflow.pipeline.compiler.plan import build_plan
 
@@ -56,7 +66,13 @@ def test_seed_logic_compiles_to_the_ppo_preset():
     assert (
         cs.role_options["data"]["samples_per_prompt"] == preset.data.options["samples_per_prompt"]
     )
-    assert cs.outputs == {"loss": "actor/pg_loss", "kl_div": "actor/kl", "rewards": "reward/mean"}
+    # Step-level values are the update's metrics; per-sample ones are collected tensors.
+    assert cs.outputs == {
+        "loss": StepOutput("policy_loss", "", "actor/pg_loss"),
+        "kl_div": StepOutput("kl", "", "actor/kl"),
+        "rewards": StepOutput("score", "rewards", "reward/mean"),
+    }
+    assert cs.collect == ("rewards",) and cs.trains
 
 
 def test_grpo_logic_compiles_to_the_grpo_preset():
@@ -131,7 +147,7 @@ def test_derived_scores_and_reported_arithmetic_become_driver_ops():
     adv = ops["hybridflow.pipeline.compiler.expr:ScoreAdvantages"]
     assert adv.inputs[0] == "bonus" and adv.params["score"] == "bonus"
     assert adv.params["estimator"] == "reinforce_pp"  # no critic, not grpo_loss
-    assert cs.outputs["bonus"] == "" and cs.collect == ("bonus",)
+    assert cs.outputs["bonus"] == StepOutput("score", "bonus", "") and cs.collect == ("bonus",)
     out, _ = expr.arith({"rewards": torch.tensor([0.0, 0.5])}, dict(arith.params))
     assert torch.equal(out["bonus"], torch.tensor([1.0, 2.0]))
 

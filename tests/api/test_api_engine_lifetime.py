@@ -1,8 +1,8 @@
 """An Engine keeps its stage processes between calls (real processes, tiny models, CPU).
 
 Two `train` calls run on the same processes and the second continues the first exactly
-(as one uninterrupted call would); `run` after `train` samples the trained policy (the
-same responses as processes restored from the checkpoint); `close()`, a `with` block
+(as one uninterrupted call would); `run` after `train` is one more step from the trained
+policy (the same outputs as processes restored from the checkpoint); `close()`, a `with` block
 and a forgotten Engine leave no process, shared memory or ipc directory; a stage that
 dies between calls is a named error at the next call, which then restarts cleanly.
 """
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from engine_job import builder
 
 from hybridflow.errors import StageDeadError
@@ -52,9 +53,10 @@ def test_calls_reuse_processes_continue_training_and_run_samples_the_trained_pol
         rows = first.metrics + second.metrics
         assert [r["step"] for r in rows] == [0, 1]
         assert [r["actor/policy_version"] for r in rows] == [1.0, 2.0]
-        generated = engine.run(PROMPTS)
-        assert engine.pids() == pids and engine.step == 2
-        state = engine.state
+        # The state after the two train calls, kept (the default keeps the last only).
+        state = engine.save_checkpoint(tmp_path / "kept", keep_last=3)
+        generated = engine.run(PROMPTS)  # the logic updates the actor: one more step
+        assert engine.pids() == pids and engine.step == 3
     assert run_id is not None and leftovers(run_id, pids) == []
     assert engine.pids() == {}
 
@@ -62,12 +64,15 @@ def test_calls_reuse_processes_continue_training_and_run_samples_the_trained_pol
     with builder().build(metrics_backend="null", log_dir=tmp_path / "b") as whole:
         assert clean(whole.train("last_digit", steps=2).metrics) == clean(rows)
 
-    # Processes restored from the checkpoint of the two calls sample what `run` sampled
-    # on the processes that trained: it used the trained weights.
+    # Processes restored from the checkpoint of the two calls compute what `run` computed
+    # on the processes that trained: it started from the trained weights.
     with builder().build(metrics_backend="null", log_dir=tmp_path / "c") as restored:
         restored.resume(state)
-        assert restored.run(PROMPTS) == generated
-    assert [g["prompt"] for g in generated] == PROMPTS
+        again = restored.run(PROMPTS)
+    assert list(generated) == ["loss", "kl_div", "rewards"]  # the declared outputs
+    assert generated["rewards"].shape == (len(PROMPTS), 4)  # n = 4 samples per prompt
+    for name, value in generated.items():
+        assert torch.equal(again[name], value), name
 
 
 def test_close_and_with_block_leave_nothing_and_close_is_not_the_end(tmp_path):

@@ -31,7 +31,9 @@ def test_minimal_ppo_generates_scores_and_trains(tmp_path, capsys):
     generations = [line for line in out.splitlines() if line.startswith("'last:")]
     assert len(generations) == 4 and all("reward" in g for g in generations)
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(r)["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    # 6 train steps, then `engine.run` (the logic updates the actor) is step 6.
+    assert [json.loads(r)["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+    assert "run step: actor/pg_loss" in out
 
 
 def test_full_ppo_places_roles_and_reports_kl_and_value_loss(tmp_path, capsys):

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hybridflow.pipeline.api.builder")
 
+# `metrics_backend`: a sink name, a list of them, or the `metrics:` section (_metrics_section).
+MetricsBackend = str | Sequence[str] | Mapping[str, Any] | None
+
 # Options of the actor that belong to the rollout engine (sampling) instead.
 _ROLLOUT_KEYS = ("max_new_tokens", "top_p", "top_k", "max_batch_size", "stop_on_eos")
 # Model options every role built from the actor's model shares.
@@ -171,7 +174,10 @@ class DataflowBuilder:
     def define_training_step(
         self, inputs: Sequence[str], outputs: Sequence[str], logic: str
     ) -> DataflowBuilder:
-        """The step as Python-like logic (compiled, never executed: pipeline/compiler.py)."""
+        """The step as Python-like logic (compiled, never executed: pipeline/compiler/).
+        `outputs` is a contract: `Engine.run` returns exactly these names and `train`
+        reports them per step; a name the step never computes is a CompileError naming
+        it, raised here."""
         if isinstance(inputs, str) or isinstance(outputs, str):
             raise ConfigError("define_training_step", "inputs and outputs are lists of names")
         self._step = (tuple(inputs), tuple(outputs), str(logic))
@@ -210,7 +216,7 @@ class DataflowBuilder:
         dataset: Any = None,
         steps: int = 1,
         log_dir: str | Path | None = None,
-        metrics_backend: str | Sequence[str] | None = "jsonl",
+        metrics_backend: MetricsBackend = "jsonl",
         log_level: str = "WARNING",
         device_mapping: Mapping[str, Any] | None = None,
         cuda_count: int | None = None,
@@ -222,7 +228,7 @@ class DataflowBuilder:
         compiled = self.compile()
         stages, _ = self._stages(compiled, device_mapping or {}, cuda_count, multi_host)
         data = self._data_config(compiled, dataset, log_dir)
-        backends = _backends(metrics_backend)
+        metrics = _metrics_section(metrics_backend)
         if log_level not in LOG_LEVELS:
             raise ConfigError(
                 "log_level", f"must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}"
@@ -235,7 +241,7 @@ class DataflowBuilder:
             "stages": stages,
             "dataflow": _with_weight_sync(compiled, stages),
             "liveness": dict(_LIVENESS),
-            "metrics": {"backends": backends},
+            "metrics": metrics,
             "log_level": log_level,
             "run_dir": str(log_dir) if log_dir else "",
         }
@@ -417,7 +423,7 @@ class DataflowBuilder:
     def build(
         self,
         log_level: str = "WARNING",
-        metrics_backend: str | Sequence[str] | None = "jsonl",
+        metrics_backend: MetricsBackend = "jsonl",
         log_dir: str | Path | None = None,
         device_mapping: Mapping[str, Any] | None = None,
         *,
@@ -486,10 +492,18 @@ def _with_weight_sync(compiled: CompiledStep, stages: Mapping[str, Any]) -> list
     return ops
 
 
-def _backends(value: str | Sequence[str] | None) -> list[str]:
+def _metrics_section(value: MetricsBackend) -> dict[str, Any]:
+    """`metrics_backend` as the topology's `metrics:` section: one sink name, a list of
+    them (`["jsonl", "wandb", "mlflow"]`), or the section itself
+    (`{"backends": [...], "options": {"project": ..., "run_name": ..., "tags": [...]}}`);
+    None or "none" logs nothing. The topology's loader checks names and keys."""
     if value is None or value == "none":
-        return ["null"]
-    return [value] if isinstance(value, str) else list(value)
+        return {"backends": ["null"]}
+    if isinstance(value, str):
+        return {"backends": [value]}
+    if isinstance(value, Mapping):
+        return dict(value)
+    return {"backends": list(value)}
 
 
 def _check_models(topo: Topology) -> None:

@@ -4,7 +4,9 @@
     engine.train(dataset, steps=N)               N RL steps of the compiled training step
     engine.sft(dataset, steps=N)                 actor.sft_update steps, then the exported
                                                  policy replaces the initial model
-    engine.run(prompts)                          rollout.generate + reward.score only
+    engine.run(prompts)                          ONE step of the logic on `prompts`: a
+                                                 training step if it updates a role, else
+                                                 generate + score; -> the declared outputs
     engine.save_checkpoint(path, interval, keep) where and how often train() checkpoints
     engine.resume("latest" | path)               continue a checkpointed job
     engine.close()  /  with df.build(...) as engine: ...
@@ -14,7 +16,7 @@ Life time: the first call starts one process per stage replica of the whole topo
 job on the same processes (pipeline/runtime/session.py), so a second call costs no
 startup and weights stay where they are: a `run` after a `train` samples the trained
 policy, and a second `train` continues the first (optimizer, policy version, step).
-Each job sends a subset of the training topology's ops (`run`: generate + score).
+Each job sends a subset of the training topology's ops (`sft`: its own).
 The processes stop at `close()`, at the end of a `with` block, or when the Engine is
 garbage collected (a weakref finalizer; the children also die with this process).
 They are restarted, at the next call, from `state` when
@@ -32,9 +34,18 @@ Checkpoints: every train/sft call ends with one (pipeline/checkpoint/), so
 
 Compilation: the training step is compiled and placed once per builder state (cached
 here); each call then builds its job's Topology from that one by typed replacement
-(data, sizes, dataflow), plans it once and runs it. `run`'s dataflow comes from the
-compiler (a generate-and-score logic); `sft`'s op list is `_SFT_OPS` (the step grammar
-has no SFT method yet).
+(data, sizes, dataflow), plans it once and runs it. `run` sends the compiled step's own
+dataflow (so a logic with `actor.update` trains) and reads the declared outputs where
+`CompiledStep.outputs` says they are: per-sample values from the tensors the scheduler
+collects (`CompiledStep.collect`), step-level ones (a loss) from the step's metrics.
+`sft`'s op list is `_SFT_OPS` (the step grammar has no SFT method yet).
+
+`run`'s result, for P prompts and n = samples per prompt (`actor.generate(..., n=)`):
+text (`response`) is a list of P str, or of P lists of n str when n > 1; a per-sample
+number (`reward_score`, `rewards`) is a tensor [P] (n = 1) or [P, n]; a per-token one
+(log-probs, advantages) [P, R] or [P, n, R], right-padded with 0; the prompts are the
+list given; a step-level value (`loss`, `kl_div`) is a 0-d tensor (NaN when the step
+reported none, e.g. every row dropped by dynamic sampling). Row i is prompt i.
 
 Invariant: `step` is the number of RL steps whose effects are in `state` (the
 checkpoint the next restart resumes from) and, while processes are up, in them; a call
@@ -60,9 +71,14 @@ from hybridflow.config.schema import (
 )
 from hybridflow.errors import ConfigError
 from hybridflow.pipeline.checkpoint import store as ckpt
-from hybridflow.pipeline.compiler.frontend import CompiledStep, compile_step
+from hybridflow.pipeline.compiler.frontend import CompiledStep
+from hybridflow.pipeline.compiler.ir import StepOutput
 from hybridflow.pipeline.compiler.plan import Plan, build_plan
-from hybridflow.pipeline.sources.datasets import dataset_source
+from hybridflow.pipeline.sources.datasets import (
+    dataset_source,
+    restore_stream_state,
+    save_stream_states,
+)
 
 if TYPE_CHECKING:
     from hybridflow.pipeline.api.builder import DataflowBuilder
@@ -81,12 +97,6 @@ class TrainResult:
     run_dir: str = ""
 
 
-# `Engine.run`: one response per prompt, scored (compiled like any training step).
-_GENERATE_AND_SCORE = """
-response = actor.generate(prompt)
-score = reward.score(prompt, response)
-"""
-_COLLECT = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rewards")
 _SFT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 _SFT_OPS = (
     OpConfig(role="actor", op="sft_update", inputs=_SFT_FIELDS, phase="train"),
@@ -119,7 +129,6 @@ class Engine:
         self.history: list[dict[str, float]] = []
         self._session: Session | None = None
         self._cache: _Declared | None = None
-        self._generate: tuple[tuple[str, ...], CompiledStep] | None = None
 
     # -- life time ------------------------------------------------------------------------
     def close(self) -> None:
@@ -202,8 +211,10 @@ class Engine:
         keep_last: int | None = None,
     ) -> TrainResult:
         """Run `steps` RL steps on `dataset` (a built-in task name such as "last_digit",
-        "task:NAME", a .jsonl/.json/.parquet file or datasets directory, or a list of
-        prompt strings / records), continuing from the engine's state."""
+        "task:NAME", a .jsonl/.json/.parquet file or datasets directory, a list of
+        prompt strings / records, or a torch Dataset / IterableDataset or Hugging Face
+        Dataset / IterableDataset of records, read lazily in this process), continuing
+        from the engine's state."""
         if save_path is not None:
             self.save_checkpoint(
                 save_path, save_interval or 0, 3 if keep_last is None else keep_last
@@ -228,8 +239,10 @@ class Engine:
             )
         )
         plan = build_plan(topo, check_devices=True)
+        restore_stream_state(topo, self.state)  # an HF stream resumes from its own state
         # The job's processes are the training topology's: its plan launches them too.
         res = self._job(plan, plan, self.step, self._checkpointer(self.step + steps - 1))
+        save_stream_states(topo, res.checkpoints)
         self.step += steps
         return self._result(res, topo, declared.compiled)
 
@@ -297,53 +310,86 @@ class Engine:
         self.step, self.state = 0, None
         return self._result(res, topo, declared.compiled)
 
-    def run(self, prompts: Sequence[str]) -> list[dict[str, Any]]:
-        """Generate one response per prompt with the current policy and score it.
-        -> [{"prompt", "response", "reward"}] in prompt order."""
-        from hybridflow.data.batching import unpad
-        from hybridflow.models.loader import load_tokenizer
-
+    def run(self, prompts: Sequence[str]) -> dict[str, Any]:
+        """One step of the declared logic on `prompts` (each sampled n times, as the
+        logic's `actor.generate(..., n=)` says) with the current policy. If the logic
+        updates a role this is a training step like one of `train` (generate, score,
+        reference, advantages, update, optimizer step, reshard; `step` advances, the
+        metrics row is logged and a checkpoint ends it); otherwise nothing trains.
+        -> {declared output: value}, keyed by exactly `define_training_step(outputs=)`
+        (shapes in the module docstring; row i is prompt i)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts or not all(isinstance(p, str) and p for p in prompts):
             raise ConfigError("prompts", "give a non-empty list of non-empty prompt strings")
-        base = self._declared().topology
-        hosts = base.role_stage()
-        if "reward" not in hosts:
-            raise ConfigError("run", "generate-and-score needs a reward (add_reward_*)")
-        compiled = self._generate_step(tuple(hosts))
-        n = len(prompts)
+        declared = self._declared()
+        base, compiled = declared.topology, declared.compiled
+        n, trains = compiled.samples_per_prompt, compiled.trains
+        size = len(prompts) * n
+        # The declared streaming unit when it fits (groups whole), else one micro-batch.
+        mb = base.run.micro_batch
+        mb = mb if size % mb == 0 and mb % n == 0 else size
         topo = _validated(
             dataclasses.replace(
                 base,
-                name=f"{base.name}-generate",
-                run=RunConfig(steps=self.step + 1, step_batch=n, micro_batch=n),
+                name=base.name if trains else f"{base.name}-generate",
+                run=dataclasses.replace(
+                    base.run, steps=self.step + 1, step_batch=size, micro_batch=mb
+                ),
                 data=dataclasses.replace(
                     base.data,
-                    fields=compiled.data_fields,
                     options={
                         **base.data.options,
                         "source": dataset_source(prompts, self.log_dir),
-                        "samples_per_prompt": 1,
-                        "shuffle": False,
+                        "shuffle": False,  # one epoch of the prompts in order: row i = prompt i
                     },
                 ),
-                dataflow=compiled.dataflow,
-                metrics=MetricsConfig(backends=("null",)),
-                run_dir=str(self.log_dir / "generate"),
+                # A training step is logged with the others; a generation leaves no trace.
+                metrics=base.metrics if trains else MetricsConfig(backends=("null",)),
+                run_dir=base.run_dir if trains else str(self.log_dir / "generate"),
             )
         )
         plan = build_plan(topo, check_devices=True)
-        res = self._job(plan, None, self.step, None, collect=_COLLECT)
-        got = {k: _cat(v) for k, v in res.collected[self.step].items()}
+        # Same processes, dataflow and links as the training topology: it launches them.
+        checkpointer = self._checkpointer(self.step) if trains else None
+        res = self._job(plan, plan, self.step, checkpointer, collect=compiled.collect)
+        collected = {k: _cat(v) for k, v in res.collected.get(self.step, {}).items()}
+        row = res.metrics[-1] if res.metrics else {}
+        if trains:
+            self.step += 1
+            self.history += [dict(m) for m in res.metrics]
+        return {
+            name: self._output(out, prompts, n, collected, row)
+            for name, out in compiled.outputs.items()
+        }
+
+    def _output(
+        self,
+        out: StepOutput,
+        prompts: list[str],
+        n: int,
+        collected: dict[str, Any],
+        row: dict[str, float],
+    ) -> Any:
+        """One declared output of a `run` step (see the module docstring for shapes)."""
+        import torch
+
+        if out.kind == "prompt":
+            return list(prompts)
+        if not out.tensor:  # a step-level value: the update's metric
+            return torch.tensor(row.get(out.metric, math.nan), dtype=torch.float32)
+        value = collected[out.tensor]  # [P * n, ...], prompt i's samples on rows i*n..
+        if out.kind != "response":
+            return value.reshape(len(prompts), n, *value.shape[1:]) if n > 1 else value
+        from hybridflow.data.batching import unpad
+        from hybridflow.models.loader import load_tokenizer
+
         opts = self.builder.tokenizer_options()
         tok = load_tokenizer(opts.get("tokenizer"), opts.get("model"))
-        responses = unpad(got["response_ids"], got["response_mask"])
-        # The source keeps the prompts' order (shuffle off, one epoch per call): row i is
-        # prompt i.
-        return [
-            {"prompt": p, "response": tok.decode(r, skip_special_tokens=True), "reward": float(s)}
-            for p, r, s in zip(prompts, responses, got["rewards"].tolist(), strict=True)
+        texts = [
+            tok.decode(r, skip_special_tokens=True)
+            for r in unpad(value, collected["response_mask"])
         ]
+        return texts if n == 1 else [texts[i : i + n] for i in range(0, len(texts), n)]
 
     def export(self, directory: str | Path) -> Path:
         """The current policy as a transformers directory (save_pretrained)."""
@@ -366,12 +412,6 @@ class Engine:
             topo = self.builder.topology(**self.settings)
             self._cache = _Declared(key, topo, compiled)
         return self._cache
-
-    def _generate_step(self, roles: tuple[str, ...]) -> CompiledStep:
-        if self._generate is None or self._generate[0] != roles:
-            step = compile_step(_GENERATE_AND_SCORE, ["prompt"], ["response", "score"], roles)
-            self._generate = (roles, step)
-        return self._generate[1]
 
     def _with_source(self, base: Topology, dataset: Any) -> Any:
         """`base.data` reading `dataset` (None: the builder's default dataset)."""
@@ -435,9 +475,9 @@ class Engine:
         rows = [dict(m) for m in res.metrics]
         self.history += rows
         outputs: dict[str, list[float]] = {}
-        for name, metric in compiled.outputs.items():
-            if metric:
-                outputs[name] = [row.get(metric, math.nan) for row in rows]
+        for name, out in compiled.outputs.items():
+            if out.metric:
+                outputs[name] = [row.get(out.metric, math.nan) for row in rows]
         return TrainResult(
             rows, outputs, res.checkpoints[-1] if res.checkpoints else "", str(topo.run_dir)
         )

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import ast
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
 
-from hybridflow.errors import BatchError
+from hybridflow.errors import BatchError, ConfigError
+from hybridflow.pipeline.driver.registry import reads_params
 
 Batch = dict[str, torch.Tensor]
 
@@ -110,22 +111,45 @@ def _align(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return a, b
 
 
-def arith(batch: Batch, params: dict[str, Any]) -> tuple[Batch, dict[str, float]]:
-    """The driver op (see the module docstring)."""
+def _parse(params: Mapping[str, Any]) -> tuple[ast.AST, str]:
+    """(the expression's tree, the output name); ValueError naming the param at fault."""
     text, output = params.get("expr"), params.get("output")
-    if not isinstance(text, str) or not isinstance(output, str):
-        raise BatchError("arith: params need `expr` (string) and `output` (value name)")
+    if not isinstance(output, str):
+        raise ValueError("output", "must be the output value's name (a string)")
+    if not isinstance(text, str):
+        raise ValueError("expr", "must be an arithmetic expression (a string)")
     try:
         node = ast.parse(text, mode="eval").body
     except SyntaxError as exc:
-        raise BatchError(f"arith: {text!r} is not an expression: {exc.msg}") from exc
+        raise ValueError("expr", f"{text!r} is not an expression: {exc.msg}") from exc
     except (RecursionError, MemoryError):
-        raise BatchError(f"arith: expression nested too deeply (at most {MAX_DEPTH})") from None
+        raise ValueError("expr", f"expression nested too deeply (at most {MAX_DEPTH})") from None
     if depth(node) > MAX_DEPTH:
-        raise BatchError(f"arith: expression nested too deeply (at most {MAX_DEPTH})")
+        raise ValueError("expr", f"expression nested too deeply (at most {MAX_DEPTH})")
     reason = check_expr(node)
     if reason:
-        raise BatchError(f"arith: {text!r}: {reason}")
+        raise ValueError("expr", f"{text!r}: {reason}")
+    return node, output
+
+
+def _check_params(params: Mapping[str, Any], path: str) -> None:
+    """Plan time: the same checks the op makes on its params, as ConfigErrors."""
+    try:
+        _parse(params)
+    except ValueError as exc:
+        key, message = exc.args
+        raise ConfigError(f"{path}.{key}", message) from None
+
+
+@reads_params("expr", "output", check=_check_params)
+def arith(batch: Batch, params: dict[str, Any]) -> tuple[Batch, dict[str, float]]:
+    """The driver op (see the module docstring)."""
+    try:
+        node, output = _parse(params)
+    except ValueError as exc:
+        key, message = exc.args
+        raise BatchError(f"arith: params.{key}: {message}") from None
+    text = params["expr"]
     missing = [n for n in names_in(node) if n not in batch]
     if missing:
         raise BatchError(f"arith: {text!r} needs {missing}; the batch has {sorted(batch)}")

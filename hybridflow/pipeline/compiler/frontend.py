@@ -13,7 +13,10 @@ The logic is parsed with Python's `ast` and NEVER executed. Allowed, one per lin
 Everything else (imports, attribute chains, loops, conditionals, lambdas, subscripts,
 dunder names, unknown functions, re-assignment) is a CompileError naming the line and
 the reason. Every value is assigned once and used only after it is assigned; every
-declared output must be produced.
+declared output must be produced, once, by an op of the step (a loss only exists as the
+metric of the update that minimizes it): `CompiledStep.outputs` says where each is read
+(a per-sample tensor the scheduler collects, or a step metric), the contract of
+`Engine.run`, whose result is keyed by exactly the declared names.
 
 Values have kinds (KINDS: the ONE table from logic names to the runtime's tensor names:
 `response` is response_ids/response_mask, a reward score is `rewards`, ...). Lowering
@@ -136,7 +139,9 @@ class _Checker:
             step_inputs.append(self.env[name])
         for st in self.stmts:
             self._statement(st)
-        for name in self.outputs:
+        for i, name in enumerate(self.outputs):
+            if name in self.outputs[:i]:
+                raise CompileError(0, f"output {name!r} is declared twice; name it once")
             self._resolve_output(name)
         return StepIR(
             inputs=tuple(step_inputs),

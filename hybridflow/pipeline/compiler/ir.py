@@ -159,16 +159,44 @@ class StepIR:
 
 
 @dataclass(frozen=True)
+class StepOutput:
+    """Where one declared output's value comes from when a step has run.
+
+    Per-sample values (a response, a score, log-probs, an arithmetic result) are runtime
+    tensors with one row per sample that the scheduler collects (`tensor`, [B, ...]);
+    step-level values (a loss, a KL folded into the update) exist only as a metric of
+    the step (`metric`, e.g. actor/pg_loss). `metric` is also what `Engine.train`
+    reports per step for the output ("" : no per-step metric)."""
+
+    kind: str  # grammar.KINDS key of the value
+    tensor: str  # runtime tensor holding it per sample ("" : a step-level value)
+    metric: str  # the step metric that reports it ("" : none)
+
+    @property
+    def per_sample(self) -> bool:
+        return bool(self.tensor) or self.kind == "prompt"
+
+
+@dataclass(frozen=True)
 class CompiledStep:
     """What a logic compiles to. `dataflow` is the Topology's op list."""
 
     dataflow: tuple[OpConfig, ...]
     data_fields: tuple[str, ...]
     role_options: dict[str, dict[str, Any]]  # runtime role -> options the logic implies
-    outputs: dict[str, str]  # declared output -> metric key ("" : the collected tensor)
-    collect: tuple[str, ...]  # runtime values to collect for outputs without a metric
+    outputs: dict[str, StepOutput]  # declared output -> where its value comes from
+    collect: tuple[str, ...]  # runtime tensors the per-sample outputs are read from
     values: dict[str, str]  # logic name -> kind
 
     @property
     def roles(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(op.role for op in self.dataflow if op.role != DRIVER_ROLE))
+
+    @property
+    def trains(self) -> bool:
+        """The step updates a role (an `update` op): running it is a training step."""
+        return any(op.op == "update" for op in self.dataflow)
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return int(self.role_options.get("data", {}).get("samples_per_prompt", 1))

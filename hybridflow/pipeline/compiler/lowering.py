@@ -41,6 +41,7 @@ from hybridflow.pipeline.compiler.ir import (
     Penalty,
     Scalar,
     StepIR,
+    StepOutput,
     Value,
 )
 
@@ -187,7 +188,7 @@ class _Lowering:
         ops += [self._arith_op(a) for a in arith]  # arithmetic the step reports or a loss reads
         if loss is not None:
             ops += self._training_ops(loss, group)
-        outputs, collect = self._outputs()
+        outputs, collect = self._outputs(ops, fields)
         return CompiledStep(
             dataflow=tuple(ops),
             data_fields=tuple(fields),
@@ -456,23 +457,66 @@ class _Lowering:
             params={"expr": ast.unparse(node), "output": name},
         )
 
-    def _outputs(self) -> tuple[dict[str, str], tuple[str, ...]]:
+    def _outputs(
+        self, ops: list[OpConfig], fields: list[str]
+    ) -> tuple[dict[str, StepOutput], tuple[str, ...]]:
+        """Each declared output -> where its value is read once a step has run, and the
+        runtime tensors to collect for the per-sample ones. CompileError naming an output
+        that no op of `ops` computes (a loss no update minimizes, a KL without an
+        actor.update to measure it, advantages no estimator op makes, ...)."""
         ir = self.ir
         values = ir.values
-        metrics: dict[str, str] = {}
+        produced = {*fields, *(o for op in ops for o in op.outputs)}
+        actor_update = next((op for op in ops if (op.role, op.op) == ("actor", "update")), None)
+        outputs: dict[str, StepOutput] = {}
         collect: list[str] = []
         for name in ir.outputs:
             value = values.get(name)
             if value is None:  # a runtime name (`rewards`): report the value that carries it
                 value = next(v for v in values.values() if name in KINDS[v.kind].fields)
             value = ir.resolve(value)
-            metric = KINDS[value.kind].metric
+            kind, metric = value.kind, KINDS[value.kind].metric
+            if kind == "prompt":
+                outputs[name] = StepOutput(kind, "", "")
+                continue
+            if kind in ("policy_loss", "value_loss", "kl"):
+                self._check_step_value(name, value, actor_update)
+                outputs[name] = StepOutput(kind, "", metric)
+                continue
+            tensor = self._runtime_name(value)
+            if tensor not in produced:
+                raise CompileError(
+                    0,
+                    f"output {name!r}: {value.name} is never computed by the step's ops "
+                    f"(no op produces {tensor!r}); use it in the step or drop it from outputs",
+                )
             if isinstance(ir.definition(value), Arith):
                 metric = ""
-            metrics[name] = metric
-            if not metric:
-                collect.append(self._runtime_name(value))
-        return metrics, tuple(dict.fromkeys(collect))
+            outputs[name] = StepOutput(kind, tensor, metric)
+            collect += [tensor, "response_mask"] if kind == "response" else [tensor]
+        return outputs, tuple(dict.fromkeys(collect))
+
+    def _check_step_value(self, name: str, value: Value, actor_update: OpConfig | None) -> None:
+        """A loss or a KL exists only inside an update: its value is that update's metric."""
+        ir = self.ir
+        if value.kind == "kl":
+            if actor_update is None or "ref_logprobs" not in actor_update.inputs:
+                raise CompileError(
+                    0,
+                    f"output {name!r}: the KL {value.name} is measured by actor.update "
+                    "(metric actor/kl) with the reference's log-probs, and this step has "
+                    "no such update; update the actor with a loss that uses it, or drop "
+                    "it from outputs",
+                )
+            return
+        role = "actor" if value.kind == "policy_loss" else "critic"
+        update = ir.call(role, "update")
+        if update is None or ir.resolve(update.args[0]) != value:
+            raise CompileError(
+                0,
+                f"output {name!r}: {value.name} is a loss no update minimizes, so it is "
+                f"never computed; pass it to {role}.update(...) or drop it from outputs",
+            )
 
     def _runtime_name(self, value: Value) -> str:
         """The runtime tensor a logic value stands for."""

@@ -201,6 +201,7 @@ def _check_ops(topo: Topology, classes: dict[str, type]) -> None:
             inputs=cfg.inputs,
             outputs=cfg.outputs,
             path=f"dataflow[{i}]",
+            params=cfg.params,
         )
 
 

@@ -20,12 +20,18 @@ the tasks that depend on it.
 
 An op name is a registered name (`advantages`, `identity`, or one added with
 `register_driver_op(name, "package.module:attr")`) or a direct "package.module:attr".
+
+Params are checked at plan time too: a class checks them in its constructor; a function
+declares the keys it reads with `@reads_params("expr", "output", check=...)`, so a key
+it does not read (a typo) is a ConfigError naming `dataflow[i].params.<key>`. A function
+without the declaration (a user's own) takes any params.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import difflib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -44,8 +50,41 @@ DRIVER_OPS: dict[str, str] = {
 }
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+ParamsCheck = Callable[[Mapping[str, Any], str], None]  # (params, "dataflow[i].params")
+_PARAMS = "__hybridflow_driver_params__"
+
+
 def register_driver_op(name: str, target: str) -> None:
     DRIVER_OPS[name] = target
+
+
+def reads_params(*keys: str, check: ParamsCheck | None = None) -> Callable[[F], F]:
+    """Declare the `params:` keys a driver function reads (and an optional `check` of
+    their values, raising ConfigError); plan time refuses any other key."""
+
+    def mark(fn: F) -> F:
+        setattr(fn, _PARAMS, (keys, check))
+        return fn
+
+    return mark
+
+
+def _check_params(fn: Any, params: Mapping[str, Any], path: str) -> None:
+    declared = getattr(fn, _PARAMS, None)
+    if declared is None:
+        return
+    keys, check = declared
+    for key in params:
+        if key not in keys:
+            close = difflib.get_close_matches(key, list(keys), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{path}.{key}",
+                f"the op reads no param {key!r}; its params: {', '.join(keys) or 'none'}{hint}",
+            )
+    if check is not None:
+        check(params, path)
 
 
 def resolve_driver_op(
@@ -55,10 +94,12 @@ def resolve_driver_op(
     class) whatever its constructor finds wrong with `topology.dataflow[index]`."""
     target = DRIVER_OPS.get(op, op)
     if ":" not in target:
+        close = difflib.get_close_matches(op, list(DRIVER_OPS), n=1)
         raise ConfigError(
             path,
             f"unknown driver op {op!r}; registered: {', '.join(sorted(DRIVER_OPS))}, "
-            "or give 'package.module:function'",
+            "or give 'package.module:function'"
+            + (f" (did you mean {close[0]!r}?)" if close else ""),
         )
     obj = load_attr(target, path)
     if isinstance(obj, type):
@@ -69,9 +110,13 @@ def resolve_driver_op(
         return obj(topology, index)
     if not callable(obj):
         raise ConfigError(path, f"driver op {op!r}: {target} is not callable")
+    if topology is not None and index is not None:
+        params = topology.dataflow[index].params
+        _check_params(obj, params, f"{path.rsplit('.', 1)[0]}.params")
     return obj
 
 
+@reads_params()
 def identity(batch: Batch, params: dict[str, Any]) -> tuple[Batch, dict[str, float]]:
     """Pass inputs through under `<name>_out` names (a built-in for tests and examples)."""
     return {f"{k}_out": v for k, v in batch.items()}, {}

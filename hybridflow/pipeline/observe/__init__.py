@@ -1,1 +1,2 @@
-"""Observability: metrics sinks (jsonl, TensorBoard), the console, the reward plot."""
+"""Observability: metrics sinks (jsonl, TensorBoard, wandb, mlflow), the console, the reward
+plot."""

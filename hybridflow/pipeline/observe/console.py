@@ -109,6 +109,8 @@ class ConsoleSink:
             "metrics": self.run_dir / "metrics.jsonl" if "jsonl" in self.backends else None,
             "tensorboard": self.run_dir if "tensorboard" in self.backends else None,
             "plot": self.run_dir / PLOT_FILE if "plot" in self.backends else None,
+            "wandb": self.run_dir / "wandb" if "wandb" in self.backends else None,
+            "mlflow": self.run_dir / "mlflow" if "mlflow" in self.backends else None,
         }
         for label, path in files.items():
             if path is not None and path.exists():

@@ -24,9 +24,15 @@ registered by name -> "module:Class" and built as `Class(run_dir)`, or as
 console needs the step count). Sinks with `CLOSE_LAST = True` (the console, whose
 summary names the files the others wrote) are closed after the rest.
 
+Sinks that take `start_step` continue a resumed run (start_step > 0) instead of starting
+anew: the jsonl file keeps its earlier rows, TensorBoard its event files, the trackers
+their run id. Several sinks at once are the norm (`backends: [console, jsonl, wandb]`).
+
 Built-in sinks:
   jsonl        <run_dir>/metrics.jsonl, one JSON object per step with `step`
   tensorboard  TensorBoard event files in <run_dir> (`tensorboard --logdir runs`)
+  wandb        Weights & Biases, files under <run_dir>/wandb (trackers.py)
+  mlflow       MLflow, by default a SQLite store in <run_dir>/mlflow (trackers.py)
   console      a rich progress bar over steps, one line of key metrics per step, and a
                summary at the end (first/last 10% reward, the files written)
   plot         <run_dir>/plot.png at the end: reward, response length and KL per step
@@ -36,6 +42,7 @@ Built-in sinks:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -63,6 +70,8 @@ SINKS: dict[str, str] = {
     "tensorboard": "hybridflow.pipeline.observe.metrics:TensorBoardSink",
     "console": "hybridflow.pipeline.observe.console:ConsoleSink",
     "plot": "hybridflow.pipeline.observe.plot:PlotSink",
+    "wandb": "hybridflow.pipeline.observe.trackers:WandbSink",
+    "mlflow": "hybridflow.pipeline.observe.trackers:MlflowSink",
 }
 
 
@@ -79,6 +88,9 @@ def check_sinks(names: tuple[str, ...] | list[str]) -> None:
             )
         if name in names[:i]:
             raise ConfigError(f"metrics.backends[{i}]", f"{name!r} is listed twice")
+    from hybridflow.pipeline.observe.trackers import check_requirements
+
+    check_requirements(names)  # an uninstalled tracker fails here, not at the first step
 
 
 def make_sinks(
@@ -90,16 +102,28 @@ def make_sinks(
     """Build the named sinks, in order, except that CLOSE_LAST sinks go to the end.
     Sinks that take `start_step` continue a resumed run's files instead of starting anew."""
     check_sinks(names)
-    sinks = []
-    for name in names:
-        cls = load_attr(SINKS[name], f"metrics.backends[{name!r}]")
-        accepts = inspect.signature(cls).parameters
-        kwargs: dict[str, Any] = {}
-        if "topology" in accepts:
-            kwargs["topology"] = topology
-        if "start_step" in accepts:
-            kwargs["start_step"] = start_step
-        sinks.append(cls(run_dir, **kwargs))
+    sinks: list[MetricsSink] = []
+    try:
+        for i, name in enumerate(names):
+            cls = load_attr(SINKS[name], f"metrics.backends[{name!r}]")
+            accepts = inspect.signature(cls).parameters
+            kwargs: dict[str, Any] = {}
+            if "topology" in accepts:
+                kwargs["topology"] = topology
+            if "start_step" in accepts:
+                kwargs["start_step"] = start_step
+            try:
+                sinks.append(cls(run_dir, **kwargs))
+            except Exception as exc:  # e.g. a tracker without credentials: name it, stop
+                raise ConfigError(
+                    f"metrics.backends[{i}]",
+                    f"the {name!r} sink could not start: {type(exc).__name__}: {exc}",
+                ) from exc
+    except BaseException:
+        for sink in sinks:  # the ones already open (files, tracker runs) are closed
+            with contextlib.suppress(Exception):
+                sink.close()
+        raise
     return sorted(sinks, key=lambda s: bool(getattr(s, "CLOSE_LAST", False)))
 
 
@@ -171,17 +195,22 @@ class JsonlSink:
 class TensorBoardSink:
     """TensorBoard event files in `<run_dir>`; one scalar per metric per step.
 
-    Event files of an earlier run with the same run directory are removed first (as
-    metrics.jsonl is overwritten), so TensorBoard never shows two runs as one."""
+    A fresh run (start_step 0) removes the event files of an earlier run with the same
+    run directory first (as metrics.jsonl is overwritten), so TensorBoard never shows two
+    runs as one. A run resumed at step r keeps them and adds its own file beside them,
+    opened with `purge_step=r`: that file starts with a SessionLog START event at step r,
+    on which TensorBoard drops the earlier files' events at steps >= r (those a crash
+    left after the checkpoint). So the directory reads as one run, each step once."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, start_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         run_dir.mkdir(parents=True, exist_ok=True)
-        for old in run_dir.glob("events.out.tfevents.*"):
-            old.unlink()
+        if start_step == 0:
+            for old in run_dir.glob("events.out.tfevents.*"):
+                old.unlink()
         self.path = run_dir
-        self._w = SummaryWriter(log_dir=str(run_dir), flush_secs=10)
+        self._w = SummaryWriter(log_dir=str(run_dir), flush_secs=10, purge_step=start_step or None)
 
     def write(self, step: int, metrics: StepMetrics) -> None:
         for key, value in metrics.items():

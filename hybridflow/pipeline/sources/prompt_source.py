@@ -3,13 +3,17 @@
 The pipeline asks a data source for one step at a time (`hybridflow.pipeline.sources.registry`):
 `PromptSource(fields, options, seed).batch(step, size)` returns `size` rows of the
 configured fields. This class serves a `PromptDataset` (a file, a datasets directory or a
-built-in task) through that interface.
+built-in task, loaded and tokenized whole: small next to rollout cost) or an in-memory
+dataset given to the Python API (`memory:N`, hybridflow.data.memory: a torch or Hugging
+Face dataset, read and tokenized a step at a time) through that interface.
 
 Fields it can provide:
   prompt_ids     [B, P] int64   left-padded with the tokenizer's pad id (P = longest row)
   prompt_mask    [B, P] int64
   metadata_json  [B, L] uint8   per-sample metadata as JSON (see data/batching.py): the
                                 record's other fields (e.g. `answer`, `id`) and `index`
+                                (the dataset row; for a stream, the record's number in
+                                the run)
   sample_idx     [B] int64      global sample number: step * size + row
 
 Options: every `DataOptions` field (source, prompt_key, max_prompt_length, truncation,
@@ -18,7 +22,9 @@ chat_template, split, task_size, shuffle) plus `tokenizer` ("builtin" or a direc
 
 Invariant: deterministic in (seed, step): sample k of the run is row k mod N of the
 seeded permutation of epoch k // N (N = dataset size), so a resumed run needs nothing
-but the step number to continue exactly where it stopped.
+but the step number to continue exactly where it stopped. A stream (an iterable
+dataset) has no N and no random access: sample k is its k-th record (`shuffle` does not
+apply; shuffle the stream itself), found again on resume as data/memory.py describes.
 """
 
 from __future__ import annotations
@@ -30,8 +36,16 @@ from typing import Any
 import torch
 
 from hybridflow.config.loader import from_dict
+from hybridflow.data import memory
 from hybridflow.data.batching import collate_prompts
-from hybridflow.data.prompts import DataOptions, PromptDataset, epoch_order
+from hybridflow.data.prompts import (
+    DataOptions,
+    PromptDataset,
+    PromptItem,
+    epoch_order,
+    make_item,
+    uses_template,
+)
 from hybridflow.errors import ConfigError
 from hybridflow.models.loader import load_tokenizer
 
@@ -62,11 +76,29 @@ class PromptSource:
             )
         self.fields, self.seed, self.shuffle = fields, seed, opts.shuffle
         self.tokenizer = load_tokenizer(opts.tokenizer, opts.model, "data.options.tokenizer")
-        self.dataset = PromptDataset.load(opts, self.tokenizer, seed=seed, path="data.options")
+        self.opts, self._template = opts, uses_template(self.tokenizer, opts)
+        # Exactly one of: a loaded dataset, or an in-memory one read on demand.
+        self.dataset: PromptDataset | None = None
+        self.records: memory.MapRecords | memory.StreamRecords | None = None
+        if memory.is_handle(opts.source):
+            self.records = memory.lookup(opts.source, "data.options.source")
+        else:
+            self.dataset = PromptDataset.load(opts, self.tokenizer, seed=seed, path="data.options")
         self._orders: dict[int, list[int]] = {}
 
+    def _item(self, k: int, rec: dict[str, Any]) -> PromptItem:
+        return make_item(k, rec, self.tokenizer, self.opts, self._template, "data.options")
+
+    def _at(self, row: int) -> PromptItem:
+        if self.dataset is not None:
+            return self.dataset[row]
+        assert isinstance(self.records, memory.MapRecords)
+        return self._item(row, self.records.record(row))
+
     def _row(self, k: int) -> int:
-        n = len(self.dataset)
+        source = self.dataset if self.dataset is not None else self.records
+        assert isinstance(source, PromptDataset | memory.MapRecords)
+        n = len(source)
         epoch, pos = divmod(k, n)
         if epoch not in self._orders:
             if len(self._orders) >= 2:  # steps move forward: two epochs cover any batch
@@ -76,7 +108,11 @@ class PromptSource:
 
     def batch(self, step: int, size: int) -> Batch:
         first = step * size
-        items = [self.dataset[self._row(k)] for k in range(first, first + size)]
+        if isinstance(self.records, memory.StreamRecords):
+            recs = self.records.read(first, size)
+            items = [self._item(first + j, rec) for j, rec in enumerate(recs)]
+        else:
+            items = [self._at(self._row(k)) for k in range(first, first + size)]
         out = collate_prompts(items, self.tokenizer.pad_token_id)
         out["sample_idx"] = torch.arange(first, first + size, dtype=torch.int64)
         return {name: out[name] for name in self.fields}

@@ -59,6 +59,8 @@ from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.rollout.state import (
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
+    GENERATE_PARAMS,
+    LOAD_WEIGHTS_PARAMS,
     HFRolloutOptions,
     RolloutState,
     check_prompts,
@@ -114,7 +116,7 @@ class HFRollout(RolloutState, RoleBase):
         self._params = {}
 
     # -- ops -----------------------------------------------------------------------------
-    @op(name="load_weights", scope=Scope.STEP)
+    @op(name="load_weights", scope=Scope.STEP, params=LOAD_WEIGHTS_PARAMS)
     def _op_load_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         """One bucket of a weight update (`last` ends it); the batch is {name: tensor}."""
         return {}, self.load_bucket(
@@ -132,7 +134,7 @@ class HFRollout(RolloutState, RoleBase):
         """No-op here, see `sleep`."""
         return {}, {"rollout/wake_skipped": 1.0}
 
-    @op(inputs=GENERATE_INPUTS, outputs=GENERATE_OUTPUTS)
+    @op(inputs=GENERATE_INPUTS, outputs=GENERATE_OUTPUTS, params=GENERATE_PARAMS)
     def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         opts = self._call_options(params)
         where = "hf rollout generate"

@@ -121,6 +121,10 @@ GENERATE_OUTPUTS = (
     "rollout_logprobs",
     "group_index",
 )
+# The dataflow `params:` each rollout op reads (a per-call override of the sampling
+# options, a fixed seed; a weight bucket's `last`/`version`); other keys are typos.
+GENERATE_PARAMS = (*_SAMPLING_OVERRIDES, "seed")
+LOAD_WEIGHTS_PARAMS = ("last", "version")
 
 
 def check_prompts(

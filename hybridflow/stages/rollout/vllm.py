@@ -71,6 +71,8 @@ from hybridflow.stages.rollout import vllm_compat
 from hybridflow.stages.rollout.state import (
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
+    GENERATE_PARAMS,
+    LOAD_WEIGHTS_PARAMS,
     HFRolloutOptions,
     RolloutState,
     check_prompts,
@@ -192,7 +194,7 @@ class VLLMRollout(RolloutState, RoleBase):
 
     # ------------------------------------------------------------------ ops
 
-    @op(name="load_weights", scope=Scope.STEP)
+    @op(name="load_weights", scope=Scope.STEP, params=LOAD_WEIGHTS_PARAMS)
     def _op_load_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         """One bucket of a weight update (`last` ends it); the batch is {name: tensor}."""
         return {}, self.load_bucket(
@@ -204,12 +206,12 @@ class VLLMRollout(RolloutState, RoleBase):
         """Free the KV cache (and offload weights) while the actor trains."""
         return {}, self.sleep()
 
-    @op(name="wake_up", scope=Scope.STEP)
+    @op(name="wake_up", scope=Scope.STEP, params=("tags",))
     def _op_wake_up(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         """Restore what `sleep` freed."""
         return {}, self.wake_up(params.get("tags"))
 
-    @op(inputs=GENERATE_INPUTS, outputs=GENERATE_OUTPUTS)
+    @op(inputs=GENERATE_INPUTS, outputs=GENERATE_OUTPUTS, params=GENERATE_PARAMS)
     def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         where = "vllm rollout generate"
         opts = self._call_options(params)

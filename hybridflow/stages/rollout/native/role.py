@@ -43,6 +43,8 @@ from hybridflow.stages.rollout.native.weights import WeightReceiver
 from hybridflow.stages.rollout.state import (
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
+    GENERATE_PARAMS,
+    LOAD_WEIGHTS_PARAMS,
     HFRolloutOptions,
     RolloutState,
     check_prompts,
@@ -150,7 +152,7 @@ class NativeRollout(RolloutState, RoleBase):
         return self.engine
 
     # -- ops -----------------------------------------------------------------------------
-    @op(inputs=GENERATE_INPUTS, outputs=GENERATE_OUTPUTS, concurrent=True)
+    @op(inputs=GENERATE_INPUTS, outputs=GENERATE_OUTPUTS, params=GENERATE_PARAMS, concurrent=True)
     async def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         """Sample n responses per prompt; awaits the engine thread (other calls' rows
         share its decode steps meanwhile)."""
@@ -202,7 +204,7 @@ class NativeRollout(RolloutState, RoleBase):
             metrics["rollout/peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / GIB
         return result, metrics
 
-    @op(scope=Scope.STEP)
+    @op(scope=Scope.STEP, params=LOAD_WEIGHTS_PARAMS)
     def load_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         """One bucket of a weight update (`last` ends it); the batch is {name: tensor}."""
         last = bool(params.get("last", True))
