@@ -289,3 +289,30 @@ def test_a_rollout_mapped_apart_gets_its_own_process_and_a_weight_sync():
         df.topology(
             device_mapping={"actor": ["cuda:0", "cuda:1"], "rollout": "cuda:0"}, cuda_count=2
         )
+
+
+def test_the_step_is_compiled_once_per_logic_and_roles(monkeypatch):
+    """define_training_step, topology() and every Engine call share one compile; a change
+    of the logic or of the declared roles compiles again."""
+    from hybridflow.pipeline.api import builder as builder_module
+
+    calls = []
+    real = builder_module.compile_step
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(builder_module, "compile_step", counting)
+    df = DataflowBuilder()
+    df.add_actor("tiny")
+    df.add_reward_function("hybridflow.data.tasks:last_digit_reward", device_mapping="cpu")
+    logic = "r = actor.generate(prompt, n=2)\ns = reward.score(r)\nloss = grpo_loss(s)\nactor.update(loss)"
+    df.define_training_step(["prompt"], ["loss"], logic)
+    first = df.compile()
+    df.topology()
+    assert df.compile() is first and len(calls) == 1
+    df.add_reference_model("tiny")
+    assert df.compile() is not first and len(calls) == 2
+    df.define_training_step(["prompt"], ["loss"], logic.replace("n=2", "n=4"))
+    assert len(calls) == 3

@@ -76,6 +76,7 @@ class DataflowBuilder:
         self.name, self.seed = name, seed
         self._roles: dict[str, _Role] = {}
         self._step: tuple[tuple[str, ...], tuple[str, ...], str] | None = None
+        self._compiled: tuple[Any, CompiledStep] | None = None  # (key, step): see compile()
         self._run: dict[str, Any] = {"step_batch": 32, "micro_batch": 16}
         self._data: dict[str, Any] = {}
 
@@ -204,10 +205,16 @@ class DataflowBuilder:
         return self
 
     def compile(self) -> CompiledStep:
+        """The compiled step, compiled once per (logic, declared roles): the result is
+        immutable and depends on nothing else, so define_training_step, topology() and
+        every Engine call share one compile."""
         if self._step is None:
             raise ConfigError("define_training_step", "no training step defined yet")
         inputs, outputs, logic = self._step
-        return compile_step(logic, inputs, outputs, self._roles)
+        key = (self._step, frozenset(self._roles))
+        if self._compiled is None or self._compiled[0] != key:
+            self._compiled = (key, compile_step(logic, inputs, outputs, self._roles))
+        return self._compiled[1]
 
     # -- build ----------------------------------------------------------------------------
     def topology(
