@@ -23,7 +23,7 @@ From them:
     the op does not read (`@op(params=...)`). A typo in a preset
     fails before any process starts, naming `dataflow[i].op`.
 
-Concurrency (what the host guarantees, see pipeline/host/dispatch.py):
+Concurrency (what the host guarantees: pipeline/host/dispatch.py):
   - `concurrent=True` ops are coroutines awaited on the stage's event loop, several at
     once (up to the coordinator's `max_inflight`); they must not block the loop (a
     rollout engine awaits its own device thread; a reward service awaits HTTP);

@@ -63,6 +63,7 @@ from hybridflow.config.schema import Topology
 from hybridflow.errors import HybridflowError
 from hybridflow.pipeline.checkpoint import store as checkpoint
 from hybridflow.pipeline.compiler.plan import role_ops
+from hybridflow.pipeline.host.dispatch import Dispatcher, Mode
 from hybridflow.pipeline.host.weight_sync import StageWeightSync
 from hybridflow.stages import StageContext, create_role
 from hybridflow.stages.base import Role
@@ -324,52 +325,33 @@ class StageProcess:
             self._stop.set()
 
     async def _work_loop(self) -> None:
-        """Start tasks in arrival order under the contract's rules (stages/contract.py):
-        concurrent ops run as coroutines side by side; other ops queue for the one worker
-        thread (FIFO, so in order); a micro-batch op waits for its role's in-flight
-        concurrent ops; a step op or a Control call waits for everything before it, and
-        nothing after it starts until it ends."""
-        inflight: dict[asyncio.Task[None], tuple[str, bool]] = {}  # task -> (role, concurrent)
+        """Start tasks in arrival order under the contract's rules (dispatch.py): concurrent
+        ops side by side, plain ops queued for the one worker thread, step ops and Control
+        calls as barriers of the process."""
+        dispatch = Dispatcher()
         try:
             while True:
                 rx = await self._queue.get()
-                if isinstance(rx.msg, Control):  # a barrier of the process
-                    await self._drain(inflight)
-                    await self._run_control(rx.msg)
+                msg = rx.msg
+                if isinstance(msg, Control):
+                    await dispatch.submit(lambda m=msg: self._run_control(m), mode=Mode.BARRIER)
                     continue
-                task: Task = rx.msg  # type: ignore[assignment]
+                task: Task = msg  # type: ignore[assignment]
                 spec, barrier = self._classify(task)
                 if barrier:
-                    await self._drain(inflight)
-                    await self._run_task(task, rx.tensors, spec)
-                    continue
-                concurrent = spec is not None and spec.concurrent
-                if not concurrent:
-                    await self._drain(inflight, role=task.role, concurrent_only=True)
-                run = asyncio.create_task(
-                    self._run_task(task, rx.tensors, spec),
+                    mode = Mode.BARRIER
+                elif spec is not None and spec.concurrent:
+                    mode = Mode.CONCURRENT
+                else:
+                    mode = Mode.PLAIN
+                await dispatch.submit(
+                    lambda t=task, b=rx.tensors, s=spec: self._run_task(t, b, s),
+                    mode=mode,
+                    role=task.role,
                     name=f"stage.task.{task.role}.{task.op}.{task.step}.{task.mb_id}",
                 )
-                inflight[run] = (task.role, concurrent)
-                run.add_done_callback(lambda t: inflight.pop(t, None))
         finally:
-            for run in list(inflight):
-                run.cancel()
-            await asyncio.gather(*inflight, return_exceptions=True)
-
-    @staticmethod
-    async def _drain(
-        inflight: dict[asyncio.Task[None], tuple[str, bool]],
-        role: str | None = None,
-        concurrent_only: bool = False,
-    ) -> None:
-        waiting = [
-            t
-            for t, (r, conc) in inflight.items()
-            if (role is None or r == role) and (conc or not concurrent_only)
-        ]
-        if waiting:
-            await asyncio.gather(*waiting)  # _run_task reports its own errors
+            await dispatch.close()
 
     def _classify(self, task: Task) -> tuple[OpSpec | None, bool]:
         """-> (the op's declaration, None for weight-sync ops; whether it is a barrier)."""
