@@ -17,6 +17,7 @@ cache or replacing a parameter's storage must `clear()` them first.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -72,12 +73,23 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.buckets):
-            self._fwd[b] = self._graph(lambda b=b: self._forward(b), pool)
-            for truncate in (False, True):
-                self._smp[(b, truncate)] = self._graph(
-                    lambda b=b, t=truncate: self._sample(b, t), pool
-                )
+        # No garbage collection while capturing: a collection that frees an earlier
+        # engine's graphs (their objects sit in reference cycles) releases CUDA memory
+        # inside the capture and invalidates it (seen on the H200 when a test built a
+        # fifth engine in one process). Collect first, then hold the collector off.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for b in reversed(self.buckets):
+                self._fwd[b] = self._graph(lambda b=b: self._forward(b), pool)
+                for truncate in (False, True):
+                    self._smp[(b, truncate)] = self._graph(
+                        lambda b=b, t=truncate: self._sample(b, t), pool
+                    )
+        finally:
+            if was_enabled:
+                gc.enable()
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         log.info("captured %d decode graphs in %.2f s", len(self._fwd) * 3, seconds)
