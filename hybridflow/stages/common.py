@@ -57,21 +57,30 @@ def require(batch: Batch, names: Sequence[str], where: str) -> None:
         raise BatchError(f"{where}: empty batch (B = 0)")
 
 
+def check_ids_mask(
+    ids: torch.Tensor, mask: torch.Tensor, ids_name: str, mask_name: str, where: str, dims: str
+) -> torch.Tensor:
+    """Token ids [B, T] integer and their mask [B, T] of 0/1 -> the mask as int64.
+    `dims` names the shape in the message (`[B, T]`, `[B, P]`)."""
+    if ids.dim() != 2 or ids.shape != mask.shape:
+        raise BatchError(
+            f"{where}: {ids_name} {tuple(ids.shape)} and {mask_name} {tuple(mask.shape)} "
+            f"must both be {dims}"
+        )
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise BatchError(f"{where}: {ids_name} must be integer, got {ids.dtype}")
+    m = mask.to(torch.int64)
+    if not bool(((m == 0) | (m == 1)).all()):
+        raise BatchError(f"{where}: {mask_name} must hold only 0 and 1")
+    return m
+
+
 def check_sequences(batch: Batch, where: str, vocab_size: int | None = None) -> None:
     """Validate the four sequence fields (module docstring layout)."""
     require(batch, SEQUENCE_FIELDS, where)
     for ids_name, mask_name in (("prompt_ids", "prompt_mask"), ("response_ids", "response_mask")):
-        ids, mask = batch[ids_name], batch[mask_name]
-        if ids.dim() != 2 or ids.shape != mask.shape:
-            raise BatchError(
-                f"{where}: {ids_name} {tuple(ids.shape)} and {mask_name} {tuple(mask.shape)} "
-                "must both be [B, T]"
-            )
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise BatchError(f"{where}: {ids_name} must be integer, got {ids.dtype}")
-        m = mask.to(torch.int64)
-        if not bool(((m == 0) | (m == 1)).all()):
-            raise BatchError(f"{where}: {mask_name} must hold only 0 and 1")
+        ids = batch[ids_name]
+        m = check_ids_mask(ids, batch[mask_name], ids_name, mask_name, where, "[B, T]")
         if vocab_size is not None:
             valid = ids[m.bool()]
             if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size):

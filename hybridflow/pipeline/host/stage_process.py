@@ -445,23 +445,17 @@ class StageProcess:
         except Exception as exc:
             name = type(call).__struct_config__.tag
             log.error("control call %s failed: %r", name, exc)
-            failure = self._failure(msg.control_id, msg.step, -1, "", str(name), exc)
-            try:
-                await self._send(failure)
-            except HybridflowError as send_exc:
-                log.error("cannot send to the coordinator, stopping: %s", send_exc)
-                self._stop.set()
+            await self._send_failure(
+                self._failure(msg.control_id, msg.step, -1, "", str(name), exc)
+            )
         finally:
             self._running -= 1
 
     async def _report(self, task: Task, exc: BaseException) -> None:
         log.error("%s.%s step %d mb %d failed: %r", task.role, task.op, task.step, task.mb_id, exc)
-        failure = self._failure(task.task_id, task.step, task.mb_id, task.role, task.op, exc)
-        try:
-            await self._send(failure)
-        except HybridflowError as send_exc:  # cannot even report: the coordinator is gone
-            log.error("cannot send to the coordinator, stopping: %s", send_exc)
-            self._stop.set()
+        await self._send_failure(
+            self._failure(task.task_id, task.step, task.mb_id, task.role, task.op, exc)
+        )
 
     async def _in_worker(self, fn: Any, *args: Any, task_id: int | None = None) -> Any:
         """Run `fn(*args)` in the worker thread; `task_id`: the Task it serves, marked
@@ -513,6 +507,7 @@ class StageProcess:
         report.add_done_callback(self._reports.discard)
 
     async def _send_failure(self, failure: Failure) -> None:
+        """Report a failure; if even that cannot be sent, the coordinator is gone: stop."""
         try:
             await self._send(failure)
         except HybridflowError as send_exc:

@@ -16,7 +16,7 @@ import torch
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.loader import ModelOptions
 from hybridflow.stages.base import Metrics, Params
-from hybridflow.stages.common import check_left_padded, mix_seed
+from hybridflow.stages.common import check_ids_mask, check_left_padded, mix_seed
 
 
 @dataclass
@@ -135,16 +135,7 @@ def check_prompts(
 ) -> torch.Tensor:
     """Validate a generate call's prompts (every backend's rules) -> the mask as int64.
     Raises BatchError naming `where` and the problem."""
-    if ids.dim() != 2 or ids.shape != mask.shape:
-        raise BatchError(
-            f"{where}: prompt_ids {tuple(ids.shape)} and prompt_mask {tuple(mask.shape)} "
-            "must both be [B, P]"
-        )
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise BatchError(f"{where}: prompt_ids must be integer, got {ids.dtype}")
-    m = mask.to(torch.int64)
-    if not bool(((m == 0) | (m == 1)).all()):
-        raise BatchError(f"{where}: prompt_mask must hold only 0 and 1")
+    m = check_ids_mask(ids, mask, "prompt_ids", "prompt_mask", where, "[B, P]")
     check_left_padded(m, where)
     empty = m.sum(-1) == 0  # [B]
     if bool(empty.any()):
