@@ -226,14 +226,24 @@ def load_model(
     return model.eval()
 
 
-def save_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | Path) -> Path:
+def save_pretrained(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    directory: str | Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write model (safetensors) + tokenizer so `load_model`/`load_tokenizer` (and plain
-    transformers / vLLM) load them back from `directory`."""
+    transformers / vLLM) load them back from `directory`. `state_dict`: the full weights
+    when the model's own are sharded (FSDP gathers them first)."""
     _quiet_transformers()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
+    if state_dict is None:
+        model.save_pretrained(str(out), safe_serialization=True)
+    else:
+        model.save_pretrained(str(out), safe_serialization=True, state_dict=state_dict)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
     return out
 
 

@@ -44,8 +44,14 @@ sampler's) log-probs; MIS drops whole sequences from the loss and its denominato
 Metrics actor/rollout_corr/{mismatch_kl, mismatch_k3, weight_mean, weight_max,
 masked_frac} (weight_max: the mean of micro-batch maxima).
 
+Several devices (stages/parallel/): the actor's replicas are the ranks of one FSDP
+group (`fsdp*` options); every task reaches every rank with its share of the rows,
+weights leave gathered one parameter at a time (`named_weights`, collective).
+
 Invariants: the policy version is the number of optimizer steps taken; weights leave
-detached; `state_dict` holds weights, optimizer, scheduler, RNG and the version.
+detached; `state_dict` holds the scheduler, shuffle generator and the version, and the
+checkpoint store writes weights and optimizer moments through `save_shards` (DCP, any
+rank count).
 """
 
 from __future__ import annotations
@@ -68,18 +74,19 @@ from hybridflow.stages.common import (
     build_model,
     check_sequences,
     chunked_no_grad,
-    model_state,
     options_path,
     response_logprobs,
     row_chunks,
     slice_rows,
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
+from hybridflow.stages.parallel.options import ShardingOptions
+from hybridflow.stages.parallel.role import ShardedModelRole
 from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
 
 
 @dataclass
-class ActorOptions(ModelOptions, TrainOptions):
+class ActorOptions(ModelOptions, TrainOptions, ShardingOptions):
     temperature: float = 1.0  # logits / temperature before log-probs: match the rollout's
     clip_ratio_low: float = 0.2
     clip_ratio_high: float | None = None  # None: = clip_ratio_low
@@ -105,6 +112,7 @@ class ActorOptions(ModelOptions, TrainOptions):
     def validate(self, path: str) -> None:
         ModelOptions.validate(self, path)
         TrainOptions.validate(self, path)
+        self.validate_sharding(path)
         if self.temperature <= 0:
             raise ConfigError(f"{path}.temperature", f"must be > 0, got {self.temperature}")
         if self.kl_loss_type not in (*KL_KINDS, *KL_ALIASES):
@@ -140,7 +148,7 @@ class ActorOptions(ModelOptions, TrainOptions):
             raise ConfigError(f"{path}.weight_bucket_mb", "must be > 0")
 
 
-class Actor(RoleBase):
+class Actor(ShardedModelRole, RoleBase):
     """Registered as ("actor", "hf")."""
 
     options_cls = ActorOptions  # checked at plan time too (pipeline/compiler/plan.py)
@@ -161,24 +169,27 @@ class Actor(RoleBase):
         if self.opts.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
             self.model.train()  # HF only checkpoints in train mode; dropout is 0 anyway
+        self.shard_if_asked(ctx, self.opts, trainable=True)
         self.trainer = Trainer(
-            self.model, self.opts, seed=ctx.seed + ctx.replica, prefix="actor", log=ctx.log
+            self.model,
+            self.opts,
+            # Ranks of one model shuffle mini-batches alike; lone replicas need no offset.
+            seed=ctx.seed,
+            prefix="actor",
+            log=ctx.log,
+            group=self.group,
         )
 
     def close(self) -> None:
         self.model = self.trainer = None
 
     def state_dict(self) -> dict[str, Any]:
+        """Weights and optimizer moments are not here: `save_shards` writes them."""
         assert self.trainer is not None
-        return {
-            "model": model_state(self.model),
-            "trainer": self.trainer.state_dict(),
-            "version": self.version,
-        }
+        return {"trainer": self.trainer.state_dict(optimizer=False), "version": self.version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.trainer is not None
-        self.model.load_state_dict(state["model"])
         self.trainer.load_state_dict(state["trainer"])
         self.version = int(state["version"])
 
@@ -298,7 +309,10 @@ class Actor(RoleBase):
             weights, mask = corr.weights, corr.mask.to(mask.dtype)
             stats |= {f"rollout_corr/{k}": float(v) for k, v in corr.stats.items()}
         count = denominator(mask, agg)
-        if count == 0:  # every row dropped (dynamic sampling / MIS): nothing to learn here
+        if count == 0 and self.group is None:
+            # Every row dropped (dynamic sampling / MIS): nothing to learn here. A rank of
+            # a sharded model still runs forward and backward (a zero loss): its peers'
+            # collectives wait for it.
             return torch.zeros((), device=dev, requires_grad=True), 0, stats
         logprobs, entropy = response_logprobs(
             self.model, mb, dev, o.temperature, with_entropy=True, entropy_grad=o.entropy_coef != 0
@@ -319,7 +333,7 @@ class Actor(RoleBase):
             weights=weights,
         )
         stats |= {
-            "pg_loss": float(st["pg_loss"]) / count,
+            "pg_loss": float(st["pg_loss"]) / max(count, 1),
             "pg_clipfrac": float(st["pg_clipfrac"]),
             "pg_clipfrac_lower": float(st["pg_clipfrac_lower"]),
             "ppo_kl": float(st["ppo_kl"]),
@@ -344,7 +358,7 @@ class Actor(RoleBase):
                     norm_len=norm_len,
                 )
                 loss = loss + term
-                stats["kl"] = float(kst["kl_loss"]) / count
+                stats["kl"] = float(kst["kl_loss"]) / max(count, 1)
             else:
                 with torch.no_grad():
                     kl = kl_estimate(logprobs.detach(), ref, o.kl_loss_type, mask)
@@ -364,8 +378,7 @@ class Actor(RoleBase):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, detached tensor on the training device), one parameter at a
         time; tied parameters appear once. This is what `update_weights` consumes."""
-        for name, p in self.model.named_parameters():
-            yield name, p.detach()
+        yield from self.named_full_weights()
 
     def weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """The weights grouped into buckets of whole parameters, <= `bucket_bytes` each

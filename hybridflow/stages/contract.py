@@ -130,8 +130,8 @@ class RoleBase:
 
     ops: ClassVar[Mapping[str, OpSpec]] = {}
     options_cls: ClassVar[type | None] = None
-    # Holds weights an optimizer updates: replicas of it would train apart, so planning
-    # refuses replicas > 1 until data-parallel training makes them one group.
+    # Holds weights an optimizer updates: its replicas must be the ranks of one sharded
+    # model (stages/parallel/), never independent copies that would train apart.
     trainable: ClassVar[bool] = False
     _ready: bool = False  # set when `setup` returns, cleared when `close` starts
 
@@ -150,6 +150,18 @@ class RoleBase:
                     found = {k: v for k, v in found.items() if v.method != attr}
                     found[spec.name] = spec
         cls.ops = found
+
+    @classmethod
+    def sharded(cls, options: Mapping[str, Any], replicas: int) -> bool:
+        """Whether `replicas` of this role are the ranks of one sharded model (every task
+        to every rank, rows split) rather than copies sharing the micro-batches. Roles
+        with the `fsdp` options (stages/parallel/options.py) decide by them."""
+        from hybridflow.stages.parallel.options import ShardingOptions, mode_of, sharded
+
+        opts = cls.options_cls
+        if opts is None or not issubclass(opts, ShardingOptions):
+            return False
+        return sharded(mode_of(options), trainable=cls.trainable, replicas=replicas)
 
     @classmethod
     def find_op(cls, name: str) -> OpSpec | None:

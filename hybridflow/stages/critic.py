@@ -36,28 +36,30 @@ from hybridflow.stages.common import (
     build_model,
     check_sequences,
     chunked_no_grad,
-    model_state,
     options_path,
     response_values,
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
+from hybridflow.stages.parallel.options import ShardingOptions
+from hybridflow.stages.parallel.role import ShardedModelRole
 from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
 
 _SEQUENCES = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
 @dataclass
-class CriticOptions(ModelOptions, TrainOptions):
+class CriticOptions(ModelOptions, TrainOptions, ShardingOptions):
     cliprange_value: float | None = 0.5  # None: plain 0.5 * MSE
 
     def validate(self, path: str) -> None:
         ModelOptions.validate(self, path)
         TrainOptions.validate(self, path)
+        self.validate_sharding(path)
         if self.cliprange_value is not None and self.cliprange_value < 0:
             raise ConfigError(f"{path}.cliprange_value", "must be >= 0 or null")
 
 
-class Critic(RoleBase):
+class Critic(ShardedModelRole, RoleBase):
     """Registered as ("critic", "hf")."""
 
     options_cls = CriticOptions  # checked at plan time too (pipeline/compiler/plan.py)
@@ -72,20 +74,21 @@ class Critic(RoleBase):
         self.opts = from_dict(CriticOptions, dict(ctx.options), options_path(ctx))
         self.device = ctx.device
         self.tokenizer, self.model = build_model(ctx, self.opts, "value")
+        self.shard_if_asked(ctx, self.opts, trainable=True)
         self.trainer = Trainer(
-            self.model, self.opts, seed=ctx.seed + ctx.replica, prefix="critic", log=ctx.log
+            self.model, self.opts, seed=ctx.seed, prefix="critic", log=ctx.log, group=self.group
         )
 
     def close(self) -> None:
         self.model = self.trainer = None
 
     def state_dict(self) -> dict[str, Any]:
+        """Weights and optimizer moments are written by `save_shards` (DCP)."""
         assert self.trainer is not None
-        return {"model": model_state(self.model), "trainer": self.trainer.state_dict()}
+        return {"trainer": self.trainer.state_dict(optimizer=False)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.trainer is not None
-        self.model.load_state_dict(state["model"])
         self.trainer.load_state_dict(state["trainer"])
 
     @op(name="values", inputs=SEQUENCE_FIELDS, outputs=("values",))

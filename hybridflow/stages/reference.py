@@ -27,20 +27,23 @@ from hybridflow.stages.common import (
     response_logprobs,
 )
 from hybridflow.stages.contract import RoleBase, op
+from hybridflow.stages.parallel.options import ShardingOptions
+from hybridflow.stages.parallel.role import ShardedModelRole
 
 
 @dataclass
-class ReferenceOptions(ModelOptions):
+class ReferenceOptions(ModelOptions, ShardingOptions):
     temperature: float = 1.0  # must match the actor's
     forward_batch_size: int = 0  # rows per forward (0: the whole micro-batch)
 
     def validate(self, path: str) -> None:
         ModelOptions.validate(self, path)
+        self.validate_sharding(path)
         if self.temperature <= 0:
             raise ConfigError(f"{path}.temperature", f"must be > 0, got {self.temperature}")
 
 
-class Reference(RoleBase):
+class Reference(ShardedModelRole, RoleBase):
     """Registered as ("reference", "hf")."""
 
     options_cls = ReferenceOptions  # checked at plan time too (pipeline/compiler/plan.py)
@@ -54,6 +57,8 @@ class Reference(RoleBase):
         self.device = ctx.device
         self.tokenizer, self.model = build_model(ctx, self.opts, "causal_lm")
         self.model.requires_grad_(False)
+        # Sharded only with `fsdp: on` (frozen: its replicas may as well be full copies).
+        self.shard_if_asked(ctx, self.opts, trainable=False)
 
     @op(inputs=SEQUENCE_FIELDS, outputs=("ref_logprobs",))
     def get_logprob(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:

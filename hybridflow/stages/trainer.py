@@ -23,6 +23,12 @@ sequence modes). Gradients are divided by the total denominator of the mini-batc
 before clipping, so the update equals one big-batch update whatever the micro-batch
 split (tested) and no role needs to know M in advance.
 
+Sharded (FSDP, stages/parallel/): each rank accumulates its share of every micro-batch;
+the denominator and the reported sums are summed over the ranks before use, and FSDP's
+reduce-scatter averages gradients over the ranks, so the update equals one process's on
+the whole micro-batches (tested against one process with gloo). The mini-batch shuffle
+seed must then be the same on every rank (the roles pass the run seed).
+
 Invariants: `optimizer_step` without a preceding `update` is an error (never a silent
 no-op); a non-finite gradient norm skips the update (logged, counted in
 `<prefix>/skipped_updates`); checkpoints are only taken between steps.
@@ -42,6 +48,8 @@ import torch
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.base import Batch, Metrics
 from hybridflow.stages.common import row_chunks, slice_rows, to_cpu
+from hybridflow.stages.parallel.fsdp import norm_value
+from hybridflow.stages.parallel.group import Group
 
 # (micro-batch rows) -> (loss in sum form with grad, denominator, per-row-mean stats)
 LossFn = Callable[[Batch], tuple[torch.Tensor, int, dict[str, float]]]
@@ -118,8 +126,10 @@ class Trainer:
         seed: int,
         prefix: str,
         log: logging.Logger,
+        group: Group | None = None,
     ) -> None:
         self.model, self.opts, self.prefix, self.log = model, opts, prefix, log
+        self.group = group  # set: the model is sharded over these ranks (FSDP)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -189,11 +199,8 @@ class Trainer:
             # update, yet the schedule counts RL steps: torch's order warning is moot.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step")
             self.scheduler.step()
-        metrics = {
-            f"{self.prefix}/{k}": self._stat_sum[k] / self._stat_weight[k]
-            for k in self._stat_sum
-            if self._stat_weight[k] > 0
-        }
+        sums, weights = self._global_stats()
+        metrics = {f"{self.prefix}/{k}": sums[k] / weights[k] for k in sums if weights[k] > 0}
         norms = [g for g in self._grad_norms if math.isfinite(g)]
         metrics[f"{self.prefix}/grad_norm"] = sum(norms) / len(norms) if norms else math.nan
         metrics[f"{self.prefix}/lr"] = lr
@@ -203,6 +210,17 @@ class Trainer:
         return metrics
 
     # -- internals -----------------------------------------------------------------------
+    def _global_stats(self) -> tuple[dict[str, float], dict[str, float]]:
+        """This step's denominator-weighted stat sums and weights, over all ranks."""
+        if self.group is None:
+            return self._stat_sum, self._stat_weight
+        keys = self.group.union(list(self._stat_sum))
+        flat = [self._stat_sum.get(k, 0.0) for k in keys]
+        flat += [self._stat_weight.get(k, 0.0) for k in keys]
+        total = self.group.sum(flat)
+        n = len(keys)
+        return dict(zip(keys, total[:n], strict=True)), dict(zip(keys, total[n:], strict=True))
+
     def _accumulate(self, mb: Batch, loss_fn: LossFn) -> dict[str, float]:
         n = next(iter(mb.values())).shape[0]
         mb_sum: dict[str, float] = {}
@@ -226,12 +244,19 @@ class Trainer:
 
     def _apply(self) -> None:
         """Turn accumulated sum-form gradients into one optimizer update."""
-        if self._denom > 0:
+        denom = float(self._denom)
+        scale = denom
+        if self.group is not None:
+            # Every rank takes the same branch below: the denominator and (through the
+            # DTensor norm) the grad norm are global.
+            denom = self.group.sum([denom])[0]
+            scale = denom / self.group.world_size  # FSDP averaged the ranks' gradients
+        if denom > 0:
             for p in self.params:
                 if p.grad is not None:
-                    p.grad.div_(self._denom)
+                    p.grad.div_(scale)
             max_norm = self.opts.grad_clip if self.opts.grad_clip > 0 else math.inf
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            norm = norm_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             self._grad_norms.append(norm)
             if math.isfinite(norm):
                 self.optimizer.step()
@@ -242,16 +267,21 @@ class Trainer:
         self._denom, self._pending = 0, False
 
     # -- checkpoints ---------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, optimizer: bool = True) -> dict[str, Any]:
+        """`optimizer=False`: without the optimizer's state (a role that writes it as
+        sharded tensors, stages/parallel/checkpoint.py)."""
         if self._pending or self._kept:
             raise BatchError(f"{self.prefix}: state_dict in the middle of a step (updates pending)")
-        return {
-            "optimizer": to_cpu(self.optimizer.state_dict()),
+        state: dict[str, Any] = {
             "scheduler": self.scheduler.state_dict(),
             "generator": self.generator.get_state(),
         }
+        if optimizer:
+            state["optimizer"] = to_cpu(self.optimizer.state_dict())
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(to_cpu(state["optimizer"]))  # never alias the caller's
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(to_cpu(state["optimizer"]))  # never alias
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])

@@ -249,22 +249,29 @@ class NodeLauncher:
 
 
 def test_node_names_need_a_multi_host_launcher(tmp_path):
-    df = DataflowBuilder()
-    df.add_actor("tiny", device_mapping=[("node0", "cuda:0"), ("node1", "cuda:0")])
-    df.add_reward_function("hybridflow.data.tasks:last_digit_reward", device_mapping="cpu")
-    df.define_training_step(
-        ["prompt"],
-        ["loss"],
-        "r = actor.generate(prompt, n=2)\ns = reward.score(r)\nloss = grpo_loss(s)\nactor.update(loss)",
-    )
+    def job(**actor_options):
+        df = DataflowBuilder()
+        df.add_actor(
+            "tiny", device_mapping=[("node0", "cuda:0"), ("node1", "cuda:0")], **actor_options
+        )
+        df.add_reward_function("hybridflow.data.tasks:last_digit_reward", device_mapping="cpu")
+        df.define_training_step(
+            ["prompt"],
+            ["loss"],
+            "r = actor.generate(prompt, n=2)\ns = reward.score(r)\nloss = grpo_loss(s)\nactor.update(loss)",
+        )
+        return df
+
     with pytest.raises(
         ConfigError, match="node 'node0': placing roles on other hosts needs a multi-host launcher"
     ):
-        df.build(log_dir=tmp_path)
-    # With a launcher that places processes on hosts, the next check is the actor's: two
-    # replicas of a trainable role would train apart, so planning refuses them.
-    with pytest.raises(ConfigError, match=r"stages\.engine\.replicas: role 'actor' trains"):
-        df.build(log_dir=tmp_path, launcher=NodeLauncher())
+        job().build(log_dir=tmp_path)
+    # With a launcher that places processes on hosts, the two actor replicas are the ranks
+    # of one sharded model (FSDP), so planning accepts them...
+    job().build(log_dir=tmp_path, launcher=NodeLauncher())
+    # ...unless sharding is switched off: independent copies would train apart.
+    with pytest.raises(ConfigError, match=r"roles\.actor\.options\.fsdp: role 'actor' trains"):
+        job(fsdp="off").build(log_dir=tmp_path, launcher=NodeLauncher())
 
 
 def test_a_rollout_mapped_apart_gets_its_own_process_and_a_weight_sync():

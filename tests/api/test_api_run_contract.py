@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from hybridflow import DataflowBuilder
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import CompileError, ConfigError
+from hybridflow.pipeline.checkpoint.store import policy_weights
 from hybridflow.pipeline.compiler.plan import build_plan
 
 REWARD = "hybridflow.data.tasks:last_digit_reward"
@@ -54,8 +54,7 @@ def builder(
 
 
 def actor_weights(checkpoint: str) -> dict[str, torch.Tensor]:
-    state = load_file(str(Path(checkpoint) / "stages" / "engine-0" / "actor.safetensors"))
-    return {k: v for k, v in state.items() if k.startswith("model.")}
+    return policy_weights(Path(checkpoint))
 
 
 def test_issue_snippet_generates_and_scores_with_the_declared_keys(tmp_path):

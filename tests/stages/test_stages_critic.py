@@ -55,5 +55,4 @@ def test_value_loss_falls_on_a_fixed_target(seqs):
         critic.handle("update", seqs, {})
     with pytest.raises(BatchError, match="returns must be float"):
         critic.handle("update", {**seqs, "returns": returns[:, :1]}, {})
-    state = critic.state_dict()
-    assert set(state) == {"model", "trainer"} and "score.weight" in state["model"]
+    assert set(critic.state_dict()) == {"trainer"}  # weights: critic.save_shards

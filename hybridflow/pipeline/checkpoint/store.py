@@ -12,8 +12,14 @@ in the same parent, then renamed; `latest` is replaced atomically after the rena
                                     moments, generator states), keyed by dotted path
             <role>.json             the rest of the state, tensors replaced by
                                     {"__tensor__": key}; tuples/int keys/NaN tagged
+            <role>.shards.json      (trainer roles) AdamW step counts + hyper-parameters
             rng.safetensors / rng.json   the process's torch (CPU, CUDA), Python and
                                     NumPy RNG states
+        shards/<stage>.<role>/      (trainer roles: actor, critic) weights and AdamW
+                                    moments through torch.distributed.checkpoint, one
+                                    safetensors file per rank with the shard offsets in
+                                    its header (stages/parallel/checkpoint.py): a
+                                    checkpoint of N ranks loads on M ranks
         policy/                     (final checkpoint) the actor's model + tokenizer via
                                     save_pretrained: transformers and vLLM load it as is
     <save_dir>/latest               the name of the newest complete checkpoint
@@ -29,7 +35,9 @@ refuses any JSON node it does not recognise. Who calls what:
     stage), then writes meta.json and commits (`commit`: rename, `latest`, prune to
     `keep_last`);
   - a stage process started with a checkpoint (`resume_dir`) calls `load_stage` after
-    its roles' setup: each role gets its state back; a role that takes weights
+    its roles' setup: each role gets its state back (a rank that the writing run did not
+    have takes replica 0's JSON state and RNG: the rank count of a sharded stage may
+    change between save and resume); a role that takes weights
     (`update_weights`: the rollout engines) gets the policy weights of the checkpoint's
     actor, so a resumed run generates with the trained policy from its first step.
 Invariant: a directory named step-* that exists is complete (partial ones keep their
@@ -58,6 +66,7 @@ from hybridflow.errors import ConfigError, PipelineError
 log = logging.getLogger("hybridflow.checkpoint")
 
 FORMAT = 1
+_RANK_FILE = "shard-{:05d}-"  # DCP's HF storage names rank r's file shard-<r+1>-...
 _PREFIX = "step-"
 _TMP = ".tmp-"
 
@@ -226,6 +235,14 @@ def stage_dir(root: Path, stage: str, replica: int) -> Path:
     return root / "stages" / f"{stage}-{replica}"
 
 
+def shard_dir(root: Path, stage: str, role: str) -> Path:
+    return root / "shards" / f"{stage}.{role}"
+
+
+def _writes_shards(role: Any) -> bool:
+    return bool(getattr(role, "writes_shards", False))
+
+
 def save_stage(
     roles: Mapping[str, Any],
     kinds: Mapping[str, str],
@@ -241,13 +258,23 @@ def save_stage(
     out.mkdir(parents=True, exist_ok=True)
     nbytes = 0
     for name, role in roles.items():
+        if _writes_shards(role):  # collective over the role's ranks
+            shards = shard_dir(root, stage, name)
+            write_state(role.save_shards(shards), out, f"{name}.shards")
+            nbytes += sum(
+                f.stat().st_size for f in shards.glob(f"*{_RANK_FILE.format(replica + 1)}*")
+            )
         write_state(role.state_dict(), out, name)
         blob = out / f"{name}.safetensors"
         nbytes += blob.stat().st_size if blob.is_file() else 0
     write_state(rng_state(), out, "rng")
-    if export and replica == 0:
+    if export:
         for name, role in roles.items():
-            if kinds.get(name) == "actor":
+            if kinds.get(name) != "actor":
+                continue
+            if callable(getattr(role, "export_pretrained", None)):
+                role.export_pretrained(Path(export), write=replica == 0)  # collective
+            elif replica == 0:
                 _export(role, Path(export))
     return {"checkpoint/save_s": time.perf_counter() - t0, "checkpoint/bytes": float(nbytes)}
 
@@ -274,6 +301,13 @@ def load_stage(
 ) -> None:
     """Restore this process's roles and RNG from checkpoint `root` (after role setup)."""
     src = stage_dir(root, stage, replica)
+    if not src.is_dir() and replica > 0 and any(_writes_shards(r) for r in roles.values()):
+        # A rank the writing run did not have (the stage's rank count changed): its
+        # shards come from the shard files, the rest from replica 0.
+        log.info(
+            "%s/%d: not in checkpoint %s; resuming from replica 0's state", stage, replica, root
+        )
+        src = stage_dir(root, stage, 0)
     if not src.is_dir():
         raise PipelineError(
             f"checkpoint {root} has no state for stage {stage} replica {replica}; was it "
@@ -283,6 +317,13 @@ def load_stage(
     for name, role in roles.items():
         if not (src / f"{name}.json").is_file():
             raise PipelineError(f"checkpoint {root}: no state for role {name!r} in {src}")
+        if _writes_shards(role):  # collective over the role's ranks
+            shards = shard_dir(root, stage, name)
+            if not shards.is_dir():
+                raise PipelineError(
+                    f"checkpoint {root}: no weight shards for role {name!r} ({shards})"
+                )
+            role.load_shards(shards, read_state(src, f"{name}.shards"))
         role.load_state_dict(read_state(src, name))
     for name, role in roles.items():
         if kinds.get(name) != "actor" and hasattr(role, "update_weights"):
@@ -293,13 +334,19 @@ def load_stage(
 
 
 def policy_weights(root: Path) -> dict[str, torch.Tensor]:
-    """The actor's model weights in checkpoint `root` (from its replica-0 stage)."""
-    from safetensors.torch import load_file
-
+    """The actor's full model weights in checkpoint `root` (assembled from its shards)."""
     meta = read_meta(root)
     actor = meta.get("actor")
     if not actor:
         raise PipelineError(f"checkpoint {root} holds no actor (meta.json names none)")
+    shards = shard_dir(root, actor["stage"], actor["role"])
+    if shards.is_dir():
+        from hybridflow.stages.parallel.checkpoint import read_full
+
+        return read_full(shards, "model.")
+    # An actor backend without shards (e.g. synthetic) keeps its weights in its state.
+    from safetensors.torch import load_file
+
     blob = stage_dir(root, actor["stage"], 0) / f"{actor['role']}.safetensors"
     tensors = load_file(str(blob))
     prefix = "model."

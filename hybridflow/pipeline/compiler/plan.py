@@ -37,6 +37,9 @@ class PlannedOp:
     deps: tuple[int, ...]  # op indices this op waits for within a step
     phase_index: int  # position of cfg.phase_name among the plan's phases
     head: bool  # consumes only data fields
+    # Its role's replicas are the ranks of one FSDP group: every task goes to all of them,
+    # each with its share of the rows (runtime/scheduler.py).
+    sharded: bool = False
 
     @property
     def is_step(self) -> bool:
@@ -97,7 +100,7 @@ def role_ops(topo: Topology, role: str) -> dict[str, dict[str, Any]]:
 
 def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:
     """Registry checks + dependency analysis. Raises ConfigError with dotted paths."""
-    _check_backends(topo)
+    sharded = sharded_roles(topo, _check_backends(topo))
     _check_data(topo)
     from hybridflow.pipeline.observe.metrics import check_sinks
 
@@ -132,6 +135,7 @@ def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:
                 deps=deps,
                 phase_index=phases.index(cfg.phase_name),
                 head=head,
+                sharded=cfg.role in sharded,
             )
         )
         for name in cfg.outputs:
@@ -152,7 +156,8 @@ def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:
     )
 
 
-def _check_backends(topo: Topology) -> None:
+def _check_backends(topo: Topology) -> dict[str, type]:
+    """-> role name -> its backend class (imported, not constructed)."""
     from hybridflow.stages import BACKENDS  # imports only the registry, not the backends
 
     classes: dict[str, type] = {}  # role -> backend class
@@ -170,7 +175,7 @@ def _check_backends(topo: Topology) -> None:
                 target, rc.options, f"stages.{stage}.roles.{role}.options"
             )
     _check_ops(topo, classes)
-    _check_replicated_training(topo, classes)
+    return classes
 
 
 def _check_role_options(target: str, options: dict[str, Any], path: str) -> type:
@@ -205,21 +210,34 @@ def _check_ops(topo: Topology, classes: dict[str, type]) -> None:
         )
 
 
-def _check_replicated_training(topo: Topology, classes: dict[str, type]) -> None:
-    """Replicas of a trainable role would train apart (no gradient exchange) and silently
-    diverge: refuse them until data-parallel training makes them one group."""
+def sharded_roles(topo: Topology, classes: dict[str, type]) -> set[str]:
+    """Roles whose replicas are the ranks of one sharded model (stages/parallel/): their
+    tasks go to every rank, rows split evenly. A trainable role's replicas must be ranks:
+    independent copies would train apart (their gradients never exchanged)."""
+    out: set[str] = set()
     for stage, cfg in topo.stages.items():
-        if cfg.replicas <= 1:
-            continue
-        for role in cfg.roles:
-            if getattr(classes.get(role), "trainable", False):
+        for role, rc in cfg.roles.items():
+            cls = classes.get(role)
+            decide = getattr(cls, "sharded", None)
+            ranks = bool(decide(rc.options, cfg.replicas)) if callable(decide) else False
+            if cfg.replicas > 1 and getattr(cls, "trainable", False) and not ranks:
                 raise ConfigError(
-                    f"stages.{stage}.replicas",
-                    f"role {role!r} trains, and {cfg.replicas} replicas of it would train "
-                    "apart (their gradients are never exchanged, so the copies diverge); "
-                    f"give stage {stage!r} one device / replicas: 1, and replicate only "
-                    "roles that do not train (rollout, reference, reward)",
+                    f"stages.{stage}.roles.{role}.options.fsdp",
+                    f"role {role!r} trains on {cfg.replicas} devices; as independent copies "
+                    "it would train apart (gradients never exchanged): leave fsdp at auto "
+                    f"(one model sharded over the devices) or give stage {stage!r} one device",
                 )
+            if not ranks:
+                continue
+            out.add(role)
+            if cfg.replicas > 1 and topo.run.micro_batch % cfg.replicas:
+                raise ConfigError(
+                    "run.micro_batch",
+                    f"is {topo.run.micro_batch}, which does not split evenly over the "
+                    f"{cfg.replicas} ranks of {role!r} (stage {stage!r}); use a multiple "
+                    f"of {cfg.replicas}",
+                )
+    return out
 
 
 def _check_data(topo: Topology) -> None:

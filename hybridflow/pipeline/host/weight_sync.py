@@ -237,6 +237,10 @@ class StageWeightSync:
             _, local = await in_worker(role.handle, "reshard", {}, params)
             metrics.update(local)
         if sender is None:
+            if getattr(role, "is_sharded", False):
+                # A rank of a sharded actor sends nothing, but gathering each bucket is
+                # collective: it walks the same buckets as rank 0, then drops them.
+                await in_worker(_drain, role.weight_buckets())
             return metrics
         if not callable(getattr(role, "weight_buckets", None)):
             raise BatchError(
@@ -267,3 +271,8 @@ class StageWeightSync:
                 await sender.close()
         for _, receiver in self.receivers.values():
             await receiver.close()
+
+
+def _drain(buckets: Iterator[Bucket]) -> None:
+    for _ in buckets:
+        pass

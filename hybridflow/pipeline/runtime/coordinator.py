@@ -454,7 +454,7 @@ class Coordinator:
             peer = self.peers[ident]
             peer.given(d.task_id, (op.label, d.step, d.mb_id))
             try:
-                await self.chan.send(task, d.inputs, to=ident)
+                await self.chan.send(task, d.inputs_for(r), to=ident)
             except PeerDeadError:
                 # The process is gone: give the liveness loop a moment to report it with
                 # its exit status (a better message than "not connected").

@@ -26,6 +26,14 @@ when all of these hold (checked in this order, cheapest first):
 A step op's outputs come from its lowest replica. Steps finish in order; finishing step
 s (all its ops done) sets `policy_version = s + 1`.
 
+Sharded ops (`PlannedOp.sharded`: a role whose replicas are the ranks of one FSDP group,
+compiler/plan.py) go to every rank at once, like step ops, because every rank must run
+the same collectives in the same order: each rank gets its contiguous share of the rows
+(`shard_rows`; the plan makes micro_batch divisible by the ranks), and the task completes
+when all ranks answered, its outputs concatenated in rank order. Its metrics are the
+lowest rank's alone: a sharded role reports numbers that are already global (the trainer
+all-reduces its sums), so summing or averaging N copies would only distort counters.
+
 Resuming (`start_step = r`): steps r, r+1, ... run as if steps 0..r-1 had finished
 (`policy_version = r`). `hold = h` (set by the coordinator while it checkpoints) keeps
 steps >= h from starting, so a checkpoint sees every role between two steps.
@@ -70,6 +78,12 @@ class Dispatch:
     inputs: Batch
     policy_version: int
 
+    def inputs_for(self, replica: int) -> Batch:
+        """What `replica` receives: its row share for a sharded op, else all inputs."""
+        if not self.op.sharded:
+            return self.inputs
+        return shard_rows(self.inputs, len(self.replicas), self.replicas.index(replica))
+
 
 @dataclass
 class _Task:
@@ -79,6 +93,7 @@ class _Task:
     replicas: tuple[int, ...]
     pending: set[int]
     outputs: Batch | None = None
+    parts: dict[int, Batch] = field(default_factory=dict)  # sharded: rank -> its outputs
 
 
 @dataclass
@@ -271,6 +286,8 @@ class Scheduler:
             return tuple(range(len(load))) if max(load) < self.cap else None
         if op.stage in self._reserved:
             return None
+        if op.sharded:  # every rank, each with room
+            return tuple(range(len(load))) if max(load) < self.cap else None
         busy_step = self.step_inflight[op.stage]
         best = -1
         for r, n in enumerate(load):
@@ -351,13 +368,14 @@ class Scheduler:
             self.inflight[op.stage][replica] -= 1
             if op.is_step:
                 self.step_inflight[op.stage][replica] -= 1
-        for k, v in metrics.items():
-            st.metric_sum[k] = st.metric_sum.get(k, 0.0) + v
-            st.metric_n[k] = st.metric_n.get(k, 0) + 1
+        lowest = replica == min(t.replicas, default=DRIVER_REPLICA)
+        if lowest or not op.sharded:  # a sharded role's metrics are global (docstring)
+            for k, v in metrics.items():
+                st.metric_sum[k] = st.metric_sum.get(k, 0.0) + v
+                st.metric_n[k] = st.metric_n.get(k, 0) + 1
         phase = op.cfg.phase_name
         st.compute[phase] = st.compute.get(phase, 0.0) + compute_s
-        # A step op runs on every replica; the lowest one speaks for all (deterministic).
-        if replica == min(t.replicas, default=DRIVER_REPLICA):
+        if op.sharded or lowest:
             missing = [n for n in op.cfg.outputs if n not in outputs]
             if missing:
                 raise StageError(
@@ -369,7 +387,10 @@ class Scheduler:
                     step=t.step,
                     mb_id=t.mb_id,
                 )
-            t.outputs = {n: outputs[n] for n in op.cfg.outputs}
+            if op.sharded:
+                t.parts[replica] = {n: outputs[n] for n in op.cfg.outputs}
+            else:  # a step op runs on every replica; the lowest speaks for all
+                t.outputs = {n: outputs[n] for n in op.cfg.outputs}
         now = self.clock()
         self._log(
             Event(now, "done", t.step, t.mb_id, op.index, replica, self.policy_version, compute_s)
@@ -377,6 +398,14 @@ class Scheduler:
         if t.pending:
             return
         del self._tasks[task_id]
+        if op.sharded:  # the ranks' row shares, back in rank order
+            first = t.parts[t.replicas[0]]
+            t.outputs = {  # a 0-d value (a step scalar) is global: the lowest rank's
+                n: first[n]
+                if first[n].dim() == 0
+                else concat_rows([t.parts[r][n] for r in t.replicas])
+                for n in op.cfg.outputs
+            }
         j = op.index
         if op.is_step:
             st.step_values.update(t.outputs)
@@ -432,6 +461,24 @@ class Scheduler:
 
     def inflight_tasks(self) -> dict[int, Any]:
         return dict(self._tasks)
+
+
+def shard_rows(batch: Batch, ranks: int, rank: int) -> Batch:
+    """Rank `rank`'s contiguous share of every field's rows (dim 0), of `ranks` equal
+    shares; 0-d values (step scalars) go to every rank whole."""
+    out: Batch = {}
+    for name, t in batch.items():
+        if t.dim() == 0:
+            out[name] = t
+            continue
+        if t.shape[0] % ranks:
+            raise PipelineError(
+                f"cannot shard {name!r} of {t.shape[0]} rows over {ranks} ranks evenly; "
+                "make run.micro_batch (and run.step_batch) a multiple of the ranks"
+            )
+        rows = t.shape[0] // ranks
+        out[name] = t[rank * rows : (rank + 1) * rows]
+    return out
 
 
 def concat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
