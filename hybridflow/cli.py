@@ -26,6 +26,7 @@ BENCHES = (
     "step",
     "native-engine",
     "logprob-gap",
+    "train",
 )
 
 

@@ -68,3 +68,18 @@ def test_bench_transport_quick_runs_every_cpu_tier(monkeypatch):
     tiers = {c["tier"] for c in res["cases"]}
     assert {"rtt", "frame", "shm", "shm_oneshot"} <= tiers
     assert all(c["gb_per_s"] >= 0 for c in res["cases"])
+
+
+def test_bench_train_runs_two_gloo_ranks_and_reports_throughput():
+    from hybridflow.bench import train
+
+    args = argparse.Namespace(ranks="1,2", quick=True, json=True, reduce_dtypes="float32")
+    res = train.run(args)
+    one, two = res["results"]
+    assert (one["ranks"], two["ranks"]) == (1, 2)
+    assert one["params"] == two["params"] > 0  # the group counts every shard once
+    assert one["grad_bytes_per_step"] == 0 and two["grad_bytes_per_step"] == one["params"] * 2
+    for r in (one, two):
+        assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["mfu"] is None  # CPU
+    # The same data on one rank and on two: the same weights, to rounding.
+    assert two["final_param_checksum"] == pytest.approx(one["final_param_checksum"], rel=1e-6)

@@ -68,3 +68,34 @@ def test_roles_on_cuda(dtype, amp, tol):
     )[:, prompt_batch()["prompt_ids"].shape[1] :].cpu()
     if dtype == "float32" and not amp:  # bf16 greedy may flip on near-ties between code paths
         assert torch.equal(after["response_ids"], expected)
+
+
+def test_fsdp_world_size_one_on_cuda_matches_the_plain_actor(tmp_path):
+    """`fsdp: on` on one GPU runs the sharded code path (NCCL group of one, DTensor
+    parameters, bf16 compute policy off here) and trains like the plain actor; its
+    checkpoint shards load back into a plain actor, and colocated reshard still works."""
+    rollout = _role(HFRollout, {"model": "tiny", "n": 4, "max_new_tokens": 6})
+    out, _ = rollout.handle("generate", prompt_batch(), {"step": 0, "mb_id": 0})
+    seqs = sequences(out)
+    seqs["advantages"] = torch.randn(
+        seqs["response_ids"].shape, generator=torch.Generator().manual_seed(0)
+    )
+    opts = {"model": "tiny", "lr": 1e-3}
+    plain = _role(Actor, opts)
+    sharded = _role(Actor, {**opts, "fsdp": "on"}, colocated={"rollout": rollout})
+    assert sharded.is_sharded and not plain.is_sharded
+    for _ in range(2):
+        for role in (plain, sharded):
+            role.handle("update", seqs, {})
+            role.handle("optimizer_step", {}, {})
+    a = dict(plain.named_full_weights())
+    b = dict(sharded.named_full_weights())
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
+    extra = sharded.save_shards(tmp_path / "shards")
+    back = _role(Actor, {**opts, "init_seed": 3})
+    back.load_shards(tmp_path / "shards", extra)
+    assert all(torch.equal(v, b[k]) for k, v in back.named_full_weights())
+    sharded.handle("reshard", {}, {})  # gathered weights into the colocated rollout
+    for name, p in rollout.model.named_parameters():
+        assert torch.equal(p.detach(), b[name]), name

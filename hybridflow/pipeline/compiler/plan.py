@@ -210,6 +210,17 @@ def _check_ops(topo: Topology, classes: dict[str, type]) -> None:
         )
 
 
+def trainer_stages(topo: Topology) -> set[str]:
+    """Stages hosting a trainable role: their checkpointed weights are rank-count free
+    (DCP shards, stages/parallel/checkpoint.py), so a resume may change their replicas."""
+    classes = _check_backends(topo)
+    return {
+        stage
+        for stage, cfg in topo.stages.items()
+        if any(getattr(classes.get(role), "trainable", False) for role in cfg.roles)
+    }
+
+
 def sharded_roles(topo: Topology, classes: dict[str, type]) -> set[str]:
     """Roles whose replicas are the ranks of one sharded model (stages/parallel/): their
     tasks go to every rank, rows split evenly. A trainable role's replicas must be ranks:

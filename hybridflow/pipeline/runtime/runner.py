@@ -44,7 +44,7 @@ from hybridflow.config.schema import Topology, load_topology
 from hybridflow.errors import ConfigError, StageError
 from hybridflow.pipeline.checkpoint import store as ckpt
 from hybridflow.pipeline.checkpoint.store import Checkpointer
-from hybridflow.pipeline.compiler.plan import build_plan, describe, describe_text
+from hybridflow.pipeline.compiler.plan import build_plan, describe, describe_text, trainer_stages
 from hybridflow.pipeline.observe.metrics import MetricsSink
 from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.launcher import Launcher
@@ -155,8 +155,9 @@ def resume_point(topo: Topology, spec: str) -> tuple[str, int]:
 
     'latest' looks under the topology's checkpoint directory (`checkpoint_dir`). The
     checkpoint must have been written by this topology's stages (same stages, replicas,
-    roles: each process restores its own part) and seed (the data order and samplers
-    derive from it), and must leave a step to run."""
+    roles: each process restores its own part; a stage that trains may change its number
+    of ranks, its weights being DCP shards) and seed (the data order and samplers derive
+    from it), and must leave a step to run."""
     try:
         path = ckpt.resolve(spec, checkpoint_dir(topo))
         meta = ckpt.read_meta(path)
@@ -165,6 +166,9 @@ def resume_point(topo: Topology, spec: str) -> tuple[str, int]:
     config = meta.get("config") or {}
     theirs = ckpt.stage_layout(config.get("stages") or {})
     ours = ckpt.stage_layout(to_dict(topo.stages))
+    for stage in trainer_stages(topo):  # ranks of a sharded model: any count resumes
+        if stage in theirs and stage in ours:
+            theirs[stage] = (ours[stage][0], theirs[stage][1])
     if theirs != ours:
         raise ConfigError(
             "--resume",
