@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, init: str, cfg: dict[str, Any], out: str) -> No
         "tokenizer": "builtin",
         "lr": 1e-5,
         "init_device": "device",
-        "fsdp": "on",
+        "fsdp": True,
         "fsdp_reduce_dtype": cfg["reduce_dtype"],
         "fsdp_cpu_offload": args.cpu_offload,
         "gradient_checkpointing": args.gradient_checkpointing,

@@ -57,7 +57,7 @@ class Reference(ShardedModelRole, RoleBase):
         self.device = ctx.device
         self.tokenizer, self.model = build_model(ctx, self.opts, "causal_lm")
         self.model.requires_grad_(False)
-        # Sharded only with `fsdp: on` (frozen: its replicas may as well be full copies).
+        # Sharded only with `fsdp: true` (frozen: its replicas may as well be full copies).
         self.shard_if_asked(ctx, self.opts, trainable=False)
 
     @op(inputs=SEQUENCE_FIELDS, outputs=("ref_logprobs",))

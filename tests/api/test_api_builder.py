@@ -271,7 +271,7 @@ def test_node_names_need_a_multi_host_launcher(tmp_path):
     job().build(log_dir=tmp_path, launcher=NodeLauncher())
     # ...unless sharding is switched off: independent copies would train apart.
     with pytest.raises(ConfigError, match=r"roles\.actor\.options\.fsdp: role 'actor' trains"):
-        job(fsdp="off").build(log_dir=tmp_path, launcher=NodeLauncher())
+        job(fsdp=False).build(log_dir=tmp_path, launcher=NodeLauncher())
 
 
 def test_a_rollout_mapped_apart_gets_its_own_process_and_a_weight_sync():

@@ -82,7 +82,7 @@ def test_fsdp_world_size_one_on_cuda_matches_the_plain_actor(tmp_path):
     )
     opts = {"model": "tiny", "lr": 1e-3}
     plain = _role(Actor, opts)
-    sharded = _role(Actor, {**opts, "fsdp": "on"}, colocated={"rollout": rollout})
+    sharded = _role(Actor, {**opts, "fsdp": True}, colocated={"rollout": rollout})
     assert sharded.is_sharded and not plain.is_sharded
     for _ in range(2):
         for role in (plain, sharded):

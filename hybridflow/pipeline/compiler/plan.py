@@ -235,7 +235,7 @@ def sharded_roles(topo: Topology, classes: dict[str, type]) -> set[str]:
                 raise ConfigError(
                     f"stages.{stage}.roles.{role}.options.fsdp",
                     f"role {role!r} trains on {cfg.replicas} devices; as independent copies "
-                    "it would train apart (gradients never exchanged): leave fsdp at auto "
+                    "it would train apart (gradients never exchanged): leave fsdp unset "
                     f"(one model sharded over the devices) or give stage {stage!r} one device",
                 )
             if not ranks:

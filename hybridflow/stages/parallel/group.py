@@ -2,7 +2,7 @@
 
 The launcher hands every replica of a replicated stage one rendezvous address
 (`StageContext.world["init_method"]`, tcp://host:port) and its rank (= replica); world
-size 1 (`fsdp: on` on one device) uses an in-process store, so the same code path runs
+size 1 (`fsdp: true` on one device) uses an in-process store, so the same code path runs
 without a rendezvous. One default group per process: roles of one stage share it (they
 run in one worker thread, so their collectives never interleave).
 
