@@ -62,6 +62,18 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from a checkpoint: 'latest' (the default) under checkpoint.save_dir, "
         "a checkpoint directory, or a save directory (its latest)",
     )
+    r.add_argument(
+        "--launcher",
+        choices=("local", "ray"),
+        default="local",
+        help="where stage processes run: this host (default) or a Ray cluster",
+    )
+    r.add_argument(
+        "--address",
+        default=None,
+        metavar="ADDR",
+        help="with --launcher ray: the cluster to join (default: RAY_ADDRESS, else a local one)",
+    )
 
     v = sub.add_parser("validate", help="check a config and print the resolved topology")
     config_args(v)

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import zmq
+
 from hybridflow.config.loader import apply_overrides, from_dict, load_yaml
 from hybridflow.errors import ConfigError
 
@@ -308,17 +310,25 @@ class TransportConfig:
         _at_least(self.hwm, 1, _join(path, "hwm"))
         _at_most(self.hwm, MAX_HWM, _join(path, "hwm"), "messages queued per socket")
         _at_least(self.shm_threshold, 0, _join(path, "shm_threshold"))
-        # Peers prove themselves with the run's secret, but nothing encrypts the sockets and
-        # the rendezvous ports: off this host that needs CurveZMQ (not implemented yet).
-        if not _is_loopback(self.host):
+        # Peers prove themselves with the run's secret; off this host the sockets must also
+        # be authenticated and encrypted: CurveZMQ with per-run keys (transport/curve.py).
+        if not is_loopback(self.host) and not zmq.has("curve"):
             raise ConfigError(
                 _join(path, "host"),
-                f"{self.host!r} is not a loopback address; no authentication of peers off "
-                "this host yet: CurveZMQ is not implemented; bind loopback (127.0.0.1)",
+                f"{self.host!r} is not a loopback address, and sockets off this host need "
+                "CurveZMQ, which this libzmq lacks (zmq.has('curve') is False); install a "
+                "pyzmq wheel with libsodium/Curve or bind loopback (127.0.0.1)",
+            )
+        if not is_loopback(self.host) and self.protocol != "tcp":
+            raise ConfigError(
+                _join(path, "protocol"),
+                f"is {self.protocol!r}, but transport.host {self.host!r} is not loopback: "
+                "ipc sockets stay on this host; set transport.protocol: tcp",
             )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` is this machine's loopback (a host name other than localhost: no)."""
     if host == "localhost":
         return True
     try:

@@ -30,7 +30,10 @@ Invariants:
   - every wait is bounded by a timeout whose error names the setting to raise, and, with
     a `PeerTable`, by the peers' heartbeat deadline (`PeerDeadError` names the peer);
   - `Release` messages are consumed here, never returned by `recv`;
-  - `close()` releases every resource the channel owns (sockets, segments, held tensors).
+  - `close()` releases every resource the channel owns (sockets, segments, held tensors);
+  - a channel on a `tcp://` endpoint of a run with CurveZMQ keys (transport/curve.py) is a
+    Curve server when it binds (its ZAP gate admits the run's clients only) and a Curve
+    client when it connects; other channels are plain sockets.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import torch
 import zmq
 
 from hybridflow.errors import PeerDeadError, PipelineError, ProtocolError, TransportTimeout
-from hybridflow.transport import protocol
+from hybridflow.transport import curve, protocol
 from hybridflow.transport.liveness import PeerTable
 from hybridflow.transport.protocol import Msg, Release, TensorDesc
 from hybridflow.transport.tensors import (
@@ -110,6 +113,7 @@ class Channel:
         shm_inflight_bytes: int = DEFAULT_SHM_INFLIGHT_BYTES,
         gated: bool = False,
         listen_fd: int = -1,
+        curve_keys: curve.CurveKeys | None = None,
     ) -> None:
         if kind not in _ZMQ_TYPES:
             raise ValueError(f"channel {name}: socket kind {kind!r} not in {sorted(_ZMQ_TYPES)}")
@@ -152,7 +156,18 @@ class Channel:
             # it was never released): ZeroMQ adopts it, so no other process can take the
             # port between the choice and this bind (weight links, session.py).
             self._sock.setsockopt(zmq.USE_FD, listen_fd)
+        # CurveZMQ on TCP when the run has keys (transport/curve.py): given here (the
+        # coordinator), else the process's own (a stage: installed by its bootstrap).
+        keys = curve_keys if curve_keys is not None else curve.process_keys()
+        self._gate: curve.ZapGate | None = None
+        self._curve_domain = ""
         try:
+            if keys is not None and endpoint.startswith("tcp://"):
+                self.curve = True
+                self._curve_domain = keys.domain
+                self._gate = curve.apply(self._sock, self._ctx, keys, bind=bind)
+            else:
+                self.curve = False
             if bind:
                 self._sock.bind(endpoint)
                 # tcp://127.0.0.1:0 binds a free port; report the real address.
@@ -160,8 +175,9 @@ class Channel:
             else:
                 self._sock.connect(endpoint)
                 self.endpoint = endpoint
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, RuntimeError) as exc:
             self._sock.close(0)
+            self._release_gate()
             verb = "bind" if bind else "connect"
             raise PeerDeadError(f"channel {name}: cannot {verb} {endpoint}: {exc}") from exc
         self._fd = cast(int, self._sock.getsockopt(zmq.FD))
@@ -609,7 +625,19 @@ class Channel:
         self._unbind_loop()
         self._wake()
         self._sock.close(linger=0)
+        self._release_gate()
         self.codec.close()
+
+    def _release_gate(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.release(self._curve_domain)
+
+    @property
+    def refused(self) -> int:
+        """Curve handshakes the run's ZAP gate refused (all sockets of this domain)."""
+        gate = curve.ZapGate.of(self._ctx)
+        return gate.refused.get(self._curve_domain, 0) if self._curve_domain else 0
 
     @property
     def closed(self) -> bool:

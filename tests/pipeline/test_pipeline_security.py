@@ -6,12 +6,13 @@
   names is neither opened nor unlinked;
 - stage processes do not import from the run's working directory (`python -P`), and
   `validate` imports nothing from there unless `--allow-cwd-imports`;
-- `transport.host` off loopback is refused with its key;
+- `transport.host` off loopback needs CurveZMQ (refused with its key without it) and tcp;
 - ipc directories of dead coordinators are swept at the next start, live ones kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -192,10 +193,23 @@ def test_validate_imports_nothing_from_the_working_directory_unless_asked(topo_d
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.7", "example.org", "::"])
-def test_a_non_loopback_host_is_refused_with_its_key(topo_dict, host):
+def test_a_non_loopback_host_without_curve_is_refused_with_its_key(topo_dict, host, monkeypatch):
     data = topo_dict()
     data["transport"] = {"protocol": "tcp", "host": host}
-    with pytest.raises(ConfigError, match=r"transport\.host.*CurveZMQ is not implemented"):
+    monkeypatch.setattr(zmq, "has", lambda what: what != "curve")
+    with pytest.raises(ConfigError, match=r"transport\.host.*needs? CurveZMQ"):
+        load_topology(data)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.7", "example.org", "::"])
+def test_a_non_loopback_host_with_curve_is_accepted_on_tcp_only(topo_dict, host):
+    if not zmq.has("curve"):
+        pytest.skip("this libzmq has no CurveZMQ")
+    data = topo_dict()
+    data["transport"] = {"protocol": "tcp", "host": host}
+    assert load_topology(data).transport.host == host
+    data["transport"] = {"protocol": "ipc", "host": host}
+    with pytest.raises(ConfigError, match=r"transport\.protocol.*set transport\.protocol: tcp"):
         load_topology(data)
 
 
@@ -232,3 +246,57 @@ def test_stale_ipc_dirs_of_dead_coordinators_are_swept_live_ones_kept(tmp_path, 
     assert os.path.basename(made).startswith(f"hf-run12345-p{os.getpid()}-")
     assert not dead.exists() and live.exists()
     os.rmdir(made)
+
+
+def _non_loopback_ip() -> str | None:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: only picks the route's address
+            ip = str(s.getsockname()[0])
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+def test_off_loopback_the_coordinator_is_curve_and_strangers_get_nothing_in(topo_dict):
+    """A run bound off loopback completes over CurveZMQ (keys via stdin only), while a
+    plain client and a Curve client with keys of its own send to its ROUTER for nothing."""
+    ip = _non_loopback_ip()
+    if ip is None or not zmq.has("curve"):
+        pytest.skip("no non-loopback address or no CurveZMQ here")
+    data = topo_dict()
+    data["transport"] = {"protocol": "tcp", "host": ip}
+    topo = load_topology(data)
+    strangers: list[zmq.Socket] = []
+
+    class Prying(RecordingLauncher):
+        def start(self, specs):  # type: ignore[no-untyped-def]
+            endpoint = specs[0].payload["endpoint"]
+            assert endpoint.startswith(f"tcp://{ip}:") and "curve" in specs[0].payload
+            pub, sec = zmq.curve_keypair()
+            server_public = specs[0].payload["curve"]["server_public"].encode()
+            for keys in (None, (server_public, pub, sec)):
+                sock = zmq.Context.instance().socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                if keys is not None:
+                    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+                sock.connect(endpoint)
+                with contextlib.suppress(zmq.Again):  # refused: nothing to queue on
+                    sock.send_multipart([b"hello", b"x" * 64], zmq.NOBLOCK)
+                strangers.append(sock)
+            super().start(specs)
+
+    run_id = uuid.uuid4().hex[:12]
+    launcher = Prying()
+    try:
+        res = run_topology(topo, run_id=run_id, launcher=launcher)
+    finally:
+        for sock in strangers:
+            sock.close(0)
+    assert len(res.metrics) == 2
+    from hybridflow.transport import curve
+
+    assert curve.ZapGate.of(zmq.Context.instance()).refused.get(run_id, 0) >= 1
+    assert not leftovers(run_id, launcher.started)

@@ -228,8 +228,10 @@ class DataflowBuilder:
         device_mapping: Mapping[str, Any] | None = None,
         cuda_count: int | None = None,
         multi_host: bool = False,
+        transport: Mapping[str, Any] | None = None,
     ) -> Topology:
-        """The Topology these declarations stand for (validated)."""
+        """The Topology these declarations stand for (validated). `transport`: its
+        `transport:` section (a multi-host launcher's), else the defaults."""
         if "actor" not in self._roles:
             raise ConfigError("add_actor", "a job needs an actor (df.add_actor)")
         compiled = self.compile()
@@ -252,6 +254,8 @@ class DataflowBuilder:
             "log_level": log_level,
             "run_dir": str(log_dir) if log_dir else "",
         }
+        if transport:
+            raw["transport"] = dict(transport)
         return load_topology(raw)
 
     def _stages(
@@ -438,9 +442,16 @@ class DataflowBuilder:
         launcher: Any = None,
     ) -> Engine:
         """Compile, place and check everything; -> an Engine. Raises ConfigError (or its
-        CompileError) for anything impossible: bad logic, devices, options, data."""
+        CompileError) for anything impossible: bad logic, devices, options, data.
+        `launcher`: None (processes on this host), "ray" (a RayLauncher on the cluster
+        of RAY_ADDRESS, else a local one: node names in `device_mapping` are Ray hosts)
+        or a Launcher object."""
         from hybridflow.pipeline.compiler.plan import build_plan
 
+        if launcher == "ray":
+            from hybridflow.pipeline.runtime.ray_launcher import RayLauncher
+
+            launcher = RayLauncher()
         log_dir = Path(log_dir or Path("runs") / self.name)
         settings = {
             "log_dir": log_dir,
@@ -450,6 +461,8 @@ class DataflowBuilder:
             # A launcher that places processes on hosts says so with `assign_nodes`.
             "multi_host": callable(getattr(launcher, "assign_nodes", None)),
         }
+        if callable(getattr(launcher, "transport_settings", None)):
+            settings["transport"] = launcher.transport_settings()  # e.g. TCP off loopback
         topo = self.topology(**settings)
         _check_models(topo)
         # registries, data source, driver ops; local GPUs unless processes go elsewhere

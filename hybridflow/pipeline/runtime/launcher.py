@@ -10,7 +10,8 @@ the coordinator never learns which.
 
 Invariants of the LocalLauncher:
   - the payload reaches the child as JSON on its stdin: plain data, nothing executable;
-    the run's secret travels there too, never in argv, the environment or a file;
+    the run's secret (and its CurveZMQ keys, installed by the child's bootstrap for every
+    socket of the process) travels there too, never in argv, the environment or a file;
   - the child runs `python -P`: the working directory is not on its sys.path;
   - a child never outlives this process: PR_SET_PDEATHSIG(SIGKILL) is armed first thing
     in the child, which then checks the parent did not die before that (the stage also
@@ -42,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from hybridflow.transport import curve
+
 log = logging.getLogger(__name__)
 
 _CHILD_MODULE = "hybridflow.pipeline.runtime.launcher"
@@ -64,8 +67,16 @@ class ProcessExit:
     name: str
     pid: int
     exitcode: int | None  # None: still running; < 0: killed by signal -exitcode
+    host: str = ""  # where it ran, when a launcher spans hosts ("" = this host)
+    reason: str = ""  # a launcher's own account of the exit (e.g. "was lost with its node")
 
     def describe(self) -> str:
+        where = f" on host {self.host}" if self.host else ""
+        if self.reason:
+            return self.reason + where
+        return self._describe() + where
+
+    def _describe(self) -> str:
         if self.exitcode is None:
             return "is running"
         if self.exitcode < 0:
@@ -99,37 +110,10 @@ class LocalLauncher:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, specs: Sequence[ProcessSpec]) -> None:
-        # The child imports the same hybridflow as this process, wherever it came from.
-        root = str(Path(__file__).resolve().parents[3])  # the dir holding hybridflow/
         for spec in specs:
             if spec.name in self._procs:
                 raise ValueError(f"process {spec.name!r} started twice")
-            env = dict(os.environ)
-            env.update(spec.env)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-            run = str(spec.payload.get("run_id", ""))
-            # -P: no working directory on sys.path, so a `json.py` where the run was started
-            # is never imported in place of the real one (PYTHONPATH still applies).
-            proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", _CHILD_MODULE, spec.name, run],
-                stdin=subprocess.PIPE,
-                env=env,
-                close_fds=True,
-                pass_fds=spec.pass_fds,
-            )
-            self._procs[spec.name] = proc
-            header = {
-                "target": spec.target,
-                "payload": spec.payload,
-                "parent_pid": os.getpid(),
-                "title": spec.title,
-            }
-            assert proc.stdin is not None
-            try:
-                proc.stdin.write(json.dumps(header).encode())
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass  # the child died at once; poll() reports it
+            self._procs[spec.name] = proc = spawn_child(spec)
             log.debug("started %s pid %d", spec.name, proc.pid)
 
     def pids(self) -> dict[str, int]:
@@ -162,6 +146,44 @@ class LocalLauncher:
         return [ProcessExit(n, p.pid, p.returncode) for n, p in procs]
 
 
+def spawn_child(
+    spec: ProcessSpec, *, cwd: str | None = None, drop_env: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
+    """Start the child of `spec` from this process (its parent: PDEATHSIG ties the child
+    to it) and hand it its header on stdin. The one way a stage process is started, by
+    the LocalLauncher here and by the Ray launcher's per-process actor on its node.
+    `drop_env`: variables of this process the child must not inherit."""
+    # The child imports the same hybridflow as this process, wherever it came from.
+    root = str(Path(__file__).resolve().parents[3])  # the dir holding hybridflow/
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
+    env.update(spec.env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    run = str(spec.payload.get("run_id", ""))
+    # -P: no working directory on sys.path, so a `json.py` where the run was started
+    # is never imported in place of the real one (PYTHONPATH still applies).
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-m", _CHILD_MODULE, spec.name, run],
+        stdin=subprocess.PIPE,
+        env=env,
+        cwd=cwd,
+        close_fds=True,
+        pass_fds=spec.pass_fds,
+    )
+    header = {
+        "target": spec.target,
+        "payload": spec.payload,
+        "parent_pid": os.getpid(),
+        "title": spec.title,
+    }
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(json.dumps(header).encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # the child died at once; its launcher's poll() reports it
+    return proc
+
+
 def _wait(p: subprocess.Popen[bytes], seconds: float) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         p.wait(max(0.0, seconds))
@@ -180,6 +202,11 @@ def _child_main() -> None:
         os._exit(1)
     if header.get("title"):
         set_process_name(header["title"])
+    # The run's CurveZMQ keys (transport/curve.py), if its sockets leave loopback: installed
+    # for every socket of this process, and kept out of the target's payload.
+    keys = header["payload"].pop("curve", None) if isinstance(header["payload"], dict) else None
+    if keys:
+        curve.install(curve.CurveKeys.from_payload(keys))
     module, func = header["target"].split(":")
     code = 1
     try:

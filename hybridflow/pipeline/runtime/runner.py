@@ -22,7 +22,8 @@ Before anything starts, the directories a run writes (run_dir, checkpoint.save_d
 transport.ipc_dir) are checked: one that cannot be created is a ConfigError naming its
 key (exit 2), not an OSError from deep inside the first metrics write.
 
-`cli_run` / `cli_validate` back `hybridflow run|validate CONFIG [--set k=v]`; errors
+`cli_run` / `cli_validate` back `hybridflow run|validate CONFIG [--set k=v]`
+(`run --launcher ray [--address ADDR]`: stage processes on a Ray cluster, ray_launcher.py); errors
 propagate as HybridflowError (the CLI prints one line and exits 2; Ctrl-C exits 130).
 """
 
@@ -255,8 +256,20 @@ def cli_run(args: argparse.Namespace) -> int:
         print(f"resuming {topo.name} from {resume_dir} at step {start}")
         if topo.checkpoint is None:
             print("note: no checkpoint: section, so this run writes no further checkpoints")
+    launcher: Launcher | None = None
+    if getattr(args, "launcher", "local") == "ray":  # imports ray only now
+        from hybridflow.pipeline.runtime.ray_launcher import RayLauncher
+
+        launcher = RayLauncher(getattr(args, "address", None))
+        if topo.transport.protocol == "ipc":  # the default: switch to TCP between hosts
+            raw = to_dict(topo)
+            raw["transport"] = {**raw["transport"], **launcher.transport_settings()}
+            topo = load_topology(raw)
+            print(f"ray launcher: transport tcp on {topo.transport.host} (no shared memory)")
+    elif getattr(args, "address", None):
+        raise ConfigError("--address", "is for --launcher ray only")
     try:
-        result = run_topology(topo, start_step=start, resume_dir=resume_dir)
+        result = run_topology(topo, start_step=start, resume_dir=resume_dir, launcher=launcher)
     except StageError as exc:
         # The CLI prints the error as one line; show the remote traceback above it.
         if exc.remote_traceback:

@@ -67,7 +67,7 @@ from hybridflow.pipeline.runtime.coordinator import Coordinator, RunResult, shut
 from hybridflow.pipeline.runtime.launcher import Launcher, LocalLauncher, ProcessExit, ProcessSpec
 from hybridflow.pipeline.runtime.peers import StagePeer
 from hybridflow.pipeline.sources.registry import create_source
-from hybridflow.transport import aio, auth, shm
+from hybridflow.transport import aio, auth, curve, shm
 from hybridflow.transport.channel import Channel
 
 log = logging.getLogger("hybridflow.session")
@@ -96,6 +96,7 @@ class _Live:
     ipc_dir: str | None
     shutdown_timeout_s: float
     secret: bytes = field(default=b"", repr=False)  # proves a stage is ours (auth.py)
+    curve: curve.RunKeys | None = field(default=None, repr=False)  # off loopback (curve.py)
     chan: Channel | None = None
     peers: dict[bytes, StagePeer] = field(default_factory=dict)
     exits: list[ProcessExit] = field(default_factory=list)
@@ -150,6 +151,10 @@ class Session:
             shutdown_timeout_s=self.topo.liveness.shutdown_timeout_s,
             secret=auth.new_secret(),
             peers={p.name.encode(): StagePeer(p) for p in plan.processes},
+            # Sockets bound off loopback: CurveZMQ with keys of this run only.
+            curve=curve.RunKeys.new([p.name for p in plan.processes], self.run_id)
+            if curve.needed(self.topo.transport.protocol, self.topo.transport.host)
+            else None,
         )
         # Never leak a process: release on garbage collection / interpreter exit too.
         self._finalizer = weakref.finalize(
@@ -270,6 +275,7 @@ class Session:
                 run_id=self.run_id,
                 hwm=t.hwm,
                 shm_threshold=t.shm_threshold,
+                curve_keys=live.curve.for_server() if live.curve is not None else None,
             )
         source = create_source(plan.topology.data, plan.topology.seed)
         coord = Coordinator(
@@ -301,6 +307,7 @@ class Session:
                                 self.resume_dir,
                                 secret=live.secret,
                                 listeners=listeners,
+                                curve_keys=live.curve,
                             )
                         )
                     finally:  # the sending processes hold their own copies now
@@ -338,9 +345,10 @@ def _specs(
     *,
     secret: bytes,
     listeners: list[socket.socket],
+    curve_keys: curve.RunKeys | None = None,
 ) -> list[ProcessSpec]:
-    """One spec per stage replica. `secret` travels in the payload (the launcher's stdin
-    pipe: never argv, env or a file). Listening sockets for the weight links are appended
+    """One spec per stage replica. `secret` (and each process's CurveZMQ keys) travels
+    in the payload (the launcher's stdin pipe: never argv, env or a file). Listening sockets for the weight links are appended
     to `listeners`: close them once the processes started (they inherited theirs)."""
     topo_data = to_dict(plan.topology)
     host = plan.topology.transport.host
@@ -372,6 +380,8 @@ def _specs(
             "weight_sync": links,
             "secret": secret.hex(),
         }
+        if curve_keys is not None:  # the child's bootstrap installs and removes them
+            payload["curve"] = curve_keys.for_process(p.name).to_payload()
         specs.append(
             ProcessSpec(
                 name=p.name,
