@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import glob
 import os
+import signal
 import tempfile
 import threading
 from typing import Any
@@ -138,3 +139,11 @@ def leftovers(run_id: str, pids: dict[str, int] | list[int]) -> list[str]:
         if b"hybridflow.pipeline.runtime.launcher" in cmd and run_id.encode() in cmd:
             out.append(f"{proc}: {cmd.decode(errors='replace')}")
     return out
+
+
+def interruptible() -> None:
+    """Popen preexec_fn: SIGINT back to its default in the child. A shell starts a
+    background job (`make test &`) with SIGINT ignored, an ignored signal stays ignored
+    across exec, and Python then installs no KeyboardInterrupt handler: a Ctrl-C test
+    would test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import yaml
-from pipeline_helpers import leftovers, small_topology
+from pipeline_helpers import interruptible, leftovers, small_topology
 
 from hybridflow.cli import main
 
@@ -98,6 +98,7 @@ def test_interrupting_the_launcher_exits_130_and_leaves_nothing(tmp_path, sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=tmp_path,
+        preexec_fn=interruptible,
     )
     try:
         deadline = time.monotonic() + 90

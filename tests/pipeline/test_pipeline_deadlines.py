@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from pipeline_helpers import RecordingLauncher, alive, leftovers
+from pipeline_helpers import RecordingLauncher, alive, interruptible, leftovers
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import StageError
@@ -124,7 +124,12 @@ def test_signal_during_a_long_driver_op_exits_within_seconds(topo_dict, tmp_path
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     cli = [sys.executable, "-m", "hybridflow", "run", str(cfg)]
     proc = subprocess.Popen(
-        cli, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        cli,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=interruptible,
     )
     try:
         while not started.exists():
