@@ -21,8 +21,9 @@ from stage_helpers import make_role
 from hybridflow.pipeline.runtime.scheduler import shard_rows
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.critic import Critic
+from hybridflow.stages.reference import Reference
 
-ROLES = {"actor": Actor, "critic": Critic}
+ROLES = {"actor": Actor, "critic": Critic, "reference": Reference}
 
 
 def free_port() -> int:
@@ -73,6 +74,14 @@ def _rank_main(
     if load_from:
         state = json.loads((Path(load_from) / "state.json").read_text())
         role.load_shards(Path(load_from) / "shards", state["extra"])
+    if kind == "reference":  # frozen: its sharded forward only, each rank's share
+        outs = [
+            role.handle("get_logprob", shard_rows(mb, world, rank), {})[0] for mb in micro_batches
+        ]
+        save_file(
+            {f"mb{i}": o["ref_logprobs"] for i, o in enumerate(outs)},
+            str(Path(out) / f"ref{rank}.safetensors"),
+        )
     metrics = train(role, micro_batches, steps, world, rank)
     if save_to:
         extra = role.save_shards(Path(save_to) / "shards")

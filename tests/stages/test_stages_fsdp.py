@@ -8,10 +8,12 @@ import json
 import pytest
 import torch
 from fsdp_helpers import full_weights, run_ranks, train
+from safetensors.torch import load_file
 from stage_helpers import make_role, prompt_batch, sequences
 
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.critic import Critic
+from hybridflow.stages.reference import Reference
 from hybridflow.stages.rollout.hf import HFRollout
 
 # fp32 on CPU: the ranks' sums run in another order than one process's, so parameters
@@ -95,3 +97,17 @@ def test_checkpoints_move_between_rank_counts(tmp_path, micro_batches):
     train(back, micro_batches, 1)
     train(one, micro_batches, 1)
     _close(full_weights(back), full_weights(one))
+
+
+def test_a_sharded_reference_gives_the_log_probs_of_one_process(tmp_path, micro_batches):
+    """`fsdp: true` shards the frozen reference too: each rank computes its rows' log-probs
+    with all-gathered layers; together they are one process's."""
+    opts = {"model": "tiny", "fsdp": True}
+    weights, _ = run_ranks(2, "reference", opts, micro_batches, 0, tmp_path)
+    one = make_role(Reference, "reference", {"model": "tiny"})
+    assert all(torch.equal(weights[k], v) for k, v in full_weights(one).items())
+    parts = [load_file(str(tmp_path / f"ref{r}.safetensors")) for r in range(2)]
+    for i, mb in enumerate(micro_batches):
+        got = torch.cat([p[f"mb{i}"] for p in parts])
+        want = one.handle("get_logprob", mb, {})[0]["ref_logprobs"]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

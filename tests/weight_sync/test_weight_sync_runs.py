@@ -144,3 +144,23 @@ def test_weights_move_over_nccl_between_two_gpus(tmp_path):
     torch.testing.assert_close(step1["rollout_logprobs"], step1["old_logprobs"], atol=1e-3, rtol=0)
     assert res.metrics[1]["weight_sync/bytes"] == res.metrics[1]["reshard/bytes"]
     assert shm_names("wsrun-nccl") == []
+
+
+def test_a_sharded_actor_streams_its_gathered_weights_from_rank_0(tmp_path):
+    """The trainer stage on two ranks (one FSDP model): rank 0 gathers each bucket and
+    streams it, rank 1 takes part in every gather and sends nothing. The rollout then
+    generates what one process's trained actor generates."""
+    d = disaggregated(tmp_path)
+    d["stages"]["trainer"]["replicas"] = 2  # 4 rows per micro-batch: 2 per rank
+    res = run_topology(load_topology(d), collect=COLLECT, run_id="wsrun-fsdp")
+    step = [{k: v[0] for k, v in res.collected[s].items()} for s in (0, 1)]
+    prompts = {k: step[1][k] for k in ("prompt_ids", "prompt_mask")}
+    actor = _replayed_actor(step[0], d["stages"]["trainer"]["roles"]["actor"]["options"])
+    mine = greedy(ROLLOUT_SEED, prompts, actor.named_weights())
+    assert torch.equal(step[1]["response_ids"], mine["response_ids"])
+    torch.testing.assert_close(
+        step[1]["rollout_logprobs"], mine["rollout_logprobs"], atol=1e-4, rtol=0
+    )
+    m = res.metrics[1]
+    assert m["weight_sync/buckets"] > 10 and m["weight_sync/bytes"] == m["reshard/bytes"]
+    assert m["actor/updates"] == 1.0  # one group, one update (not one per rank)

@@ -19,7 +19,8 @@ for the process. A task that raises becomes a `Failure` message carrying the tra
 text; the process keeps serving until the coordinator says Shutdown.
 
 What a role gets in `StageContext.world`: `role` (its name), `kind`, `rank` (= replica)
-and `world_size` (= replicas of this stage), `init_method` (a tcp:// rendezvous for the
+and `world_size` (= replicas of this stage), `init_listen_fd` (replica 0: the rendezvous's
+listening socket, bound by the session and inherited), `init_method` (a tcp:// rendezvous for the
 stage's replicas, "" when there is one), `run_id`, and `dataflow`: op -> {inputs,
 outputs, scope} for every op of this role. `ctx.seed` is the run seed, the same in every
 stage (actor and reference build identical initial weights from it); derive per-purpose
@@ -126,6 +127,7 @@ class StageProcess:
         self.run_id = str(payload["run_id"])
         self.run_dir = Path(str(payload["run_dir"]))
         self.init_method = str(payload.get("init_method", ""))
+        self.init_listen_fd = int(payload.get("init_listen_fd", -1))  # replica 0 only
         self.parent_pid = int(payload.get("parent_pid", os.getppid()))
         self.resume_dir = str(payload.get("resume_dir") or "")
         # The run's secret (stdin JSON only: never argv, env or a file) proves this process
@@ -277,6 +279,7 @@ class StageProcess:
                     "world_size": self.cfg.replicas,
                     "replicas": self.cfg.replicas,
                     "init_method": self.init_method,  # "" unless replicas > 1
+                    "init_listen_fd": self.init_listen_fd,  # its listening socket (rank 0)
                     "run_id": self.run_id,
                     "dataflow": role_ops(self.topo, name),
                 },

@@ -352,11 +352,16 @@ def _specs(
     to `listeners`: close them once the processes started (they inherited theirs)."""
     topo_data = to_dict(plan.topology)
     host = plan.topology.transport.host
-    # Replicas of one stage are ranks of one group (data parallel / FSDP): give them a
-    # rendezvous address so roles never pick ports themselves.
-    init = {
-        stage: f"tcp://{host}:{_free_port(host)}" for stage, n in plan.replicas.items() if n > 1
-    }
+    # Replicas of one stage are ranks of one group (FSDP): give them a rendezvous address
+    # so roles never pick ports themselves. Its socket is bound here and kept listening;
+    # replica 0 inherits it and its TCPStore adopts it (`init_listen_fd`), so no other
+    # process can take the port in between (no bind-close-rebind).
+    init: dict[str, tuple[str, int]] = {}
+    for stage, n in plan.replicas.items():
+        if n > 1:
+            sock = socket.create_server((host, 0), backlog=128)
+            listeners.append(sock)
+            init[stage] = (f"tcp://{host}:{sock.getsockname()[1]}", sock.fileno())
     # Stage-to-stage weight links (disaggregated reshard): one endpoint per sending role.
     weight_sync = endpoints(plan.topology, endpoint, listeners)
     specs = []
@@ -367,6 +372,9 @@ def _specs(
             mine = spec["stage"] == p.stage and p.replica == 0  # the sending replica
             links[source] = {k: v for k, v in spec.items() if mine or not k.endswith("_fd")}
             fds += [v for k, v in spec.items() if mine and k.endswith("_fd")]
+        init_method, init_fd = init.get(p.stage, ("", -1))
+        if p.replica == 0 and init_fd >= 0:
+            fds.append(init_fd)
         payload = {
             "topology": copy.deepcopy(topo_data),  # each its own: launchers may edit
             "stage": p.stage,
@@ -375,7 +383,8 @@ def _specs(
             "run_id": run_id,
             "run_dir": str(run_dir_of(plan.topology)),
             "parent_pid": os.getpid(),
-            "init_method": init.get(p.stage, ""),
+            "init_method": init_method,
+            "init_listen_fd": init_fd if p.replica == 0 else -1,
             "resume_dir": resume_dir or "",
             "weight_sync": links,
             "secret": secret.hex(),
@@ -392,18 +401,6 @@ def _specs(
             )
         )
     return specs
-
-
-def _free_port(host: str) -> int:
-    # Bind-close-rebind, kept for one port only: the torch.distributed rendezvous of a
-    # replicated stage, which its roles open themselves from `init_method` (rank 0's
-    # TCPStore binds it). Handing them a listening socket (TCPStore's master_listen_fd,
-    # as the weight links do) needs the roles (hybridflow/stages/) to take an fd. Until
-    # then a local process that grabs this port between here and rank 0's bind can make
-    # the rendezvous fail (an error naming the address) or pose as its store.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _ipc_dir(topo: Topology, run_id: str) -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -105,11 +106,24 @@ def join(
         )
         return group
     init_method = str(world.get("init_method", ""))
-    if not init_method:
-        raise ConfigError("stages", f"rank {rank} of {size} has no rendezvous (init_method)")
-    dist.init_process_group(
-        group.backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout
+    if not init_method.startswith("tcp://"):
+        raise ConfigError(
+            "stages", f"rank {rank} of {size} has no tcp:// rendezvous ({init_method!r})"
+        )
+    addr = urlsplit(init_method)
+    assert addr.hostname is not None and addr.port is not None
+    fd = int(world.get("init_listen_fd", -1))
+    # Rank 0 serves the store on the socket the session bound and kept listening (no
+    # window in which another process could take the port); the others connect to it.
+    store = dist.TCPStore(
+        addr.hostname,
+        addr.port,
+        size,
+        is_master=rank == 0,
+        timeout=timeout,
+        master_listen_fd=fd if rank == 0 and fd >= 0 else None,
     )
+    dist.init_process_group(group.backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return group
 
 
