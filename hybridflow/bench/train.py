@@ -16,6 +16,10 @@ as the scheduler splits them, `--micro-batches` per step) and times `update` x M
                      gradient per backward), not counted on the wire
   losses, final_param_checksum  per-step actor/pg_loss and the sum of all parameters,
                      to compare reduce dtypes on the same data
+  gather_s, gather_extra_gb  reshard from shards: walking `weight_buckets()` once (every
+                     parameter all-gathered, one bucket of full tensors alive at a time,
+                     as the reshard does), the slowest rank's seconds, and the most
+                     memory any rank held above its resting state meanwhile (null on CPU)
 
   python -m hybridflow.bench.train --json --model qwen2-1.5b --ranks 1 \\
       --rows 16 --prompt-len 64 --response-len 448
@@ -122,13 +126,31 @@ def _rank(rank: int, world: int, init: str, cfg: dict[str, Any], out: str) -> No
         if step > 0:
             times.append(time.perf_counter() - t0)
         losses.append(metrics["actor/pg_loss"])
-    checksum = sum(float(t.double().sum()) for _, t in actor.named_full_weights())
     peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
+    gather_s, extra = _gather(actor, device)
+    checksum = sum(float(t.double().sum()) for _, t in actor.named_full_weights())
     result = {"rank": rank, "times": times, "losses": losses, "numel": numel, "peak_mem_gb": peak}
-    result["checksum"] = checksum
+    result |= {"checksum": checksum, "gather_s": gather_s, "gather_extra_gb": extra}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     actor.close()
     leave()
+
+
+def _gather(actor: Any, device: torch.device) -> tuple[float, float | None]:
+    """Seconds to walk the weight buckets once, and GiB held above rest meanwhile."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        rest = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    for bucket in actor.weight_buckets():
+        del bucket
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    extra = (torch.cuda.max_memory_allocated(device) - rest) / GIB if cuda else None
+    return seconds, extra
 
 
 def _free_port() -> int:
@@ -166,6 +188,8 @@ def measure(args: argparse.Namespace, world: int, reduce_dtype: str) -> dict[str
         "grad_bytes_per_step": int(numel * size * (world - 1) / world * args.micro_batches),
         "losses": ranks[0]["losses"],
         "final_param_checksum": ranks[0]["checksum"],
+        "gather_s": round(max(r["gather_s"] for r in ranks), 4),
+        "gather_extra_gb": round(max(r["gather_extra_gb"] for r in ranks), 3) if cuda else None,
     }
 
 

@@ -70,9 +70,11 @@ def test_roles_on_cuda(dtype, amp, tol):
         assert torch.equal(after["response_ids"], expected)
 
 
-def test_fsdp_world_size_one_on_cuda_matches_the_plain_actor(tmp_path):
-    """`fsdp: on` on one GPU runs the sharded code path (NCCL group of one, DTensor
-    parameters, bf16 compute policy off here) and trains like the plain actor; its
+@pytest.mark.parametrize("offload", [False, True], ids=["on-gpu", "cpu-offload"])
+def test_fsdp_world_size_one_on_cuda_matches_the_plain_actor(tmp_path, offload):
+    """`fsdp: true` on one GPU runs the sharded code path (NCCL group of one, DTensor
+    parameters, bf16 compute policy off here; with `fsdp_cpu_offload` the shards, their
+    gradients and the AdamW state live on the host) and trains like the plain actor; its
     checkpoint shards load back into a plain actor, and colocated reshard still works."""
     rollout = _role(HFRollout, {"model": "tiny", "n": 4, "max_new_tokens": 6})
     out, _ = rollout.handle("generate", prompt_batch(), {"step": 0, "mb_id": 0})
@@ -82,7 +84,9 @@ def test_fsdp_world_size_one_on_cuda_matches_the_plain_actor(tmp_path):
     )
     opts = {"model": "tiny", "lr": 1e-3}
     plain = _role(Actor, opts)
-    sharded = _role(Actor, {**opts, "fsdp": True}, colocated={"rollout": rollout})
+    sharded = _role(
+        Actor, {**opts, "fsdp": True, "fsdp_cpu_offload": offload}, colocated={"rollout": rollout}
+    )
     assert sharded.is_sharded and not plain.is_sharded
     for _ in range(2):
         for role in (plain, sharded):
