@@ -62,12 +62,14 @@ def _rank_main(
     out: str,
     load_from: str,
     save_to: str,
+    cuda: bool,
 ) -> None:
     torch.set_num_threads(1)
     role = make_role(
         ROLES[kind],
         kind,
         options,
+        device=torch.device("cuda", rank) if cuda else torch.device("cpu"),
         replica=rank,
         world={"role": kind, "rank": rank, "world_size": world, "init_method": init_method},
     )
@@ -105,6 +107,7 @@ def run_ranks(
     out: Path,
     load_from: Path | None = None,
     save_to: Path | None = None,
+    cuda: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
     out.mkdir(parents=True, exist_ok=True)
     torch.multiprocessing.spawn(
@@ -119,6 +122,7 @@ def run_ranks(
             str(out),
             str(load_from or ""),
             str(save_to or ""),
+            cuda,  # rank r on cuda:r (NCCL) instead of the CPU (gloo)
         ),
         nprocs=world,
         join=True,

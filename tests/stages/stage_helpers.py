@@ -19,7 +19,7 @@ def make_role(cls: type, stage: str, options: dict[str, Any], **ctx_kw: Any) -> 
     ctx = StageContext(
         stage=stage,
         replica=ctx_kw.pop("replica", 0),
-        device=torch.device("cpu"),
+        device=ctx_kw.pop("device", torch.device("cpu")),
         seed=ctx_kw.pop("seed", 0),
         run_dir=Path("/nonexistent"),
         options=options,

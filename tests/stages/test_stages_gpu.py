@@ -103,3 +103,25 @@ def test_fsdp_world_size_one_on_cuda_matches_the_plain_actor(tmp_path, offload):
     sharded.handle("reshard", {}, {})  # gathered weights into the colocated rollout
     for name, p in rollout.model.named_parameters():
         assert torch.equal(p.detach(), b[name]), name
+
+
+@pytest.mark.multigpu
+def test_two_gpu_ranks_equal_one_gpu(tmp_path):
+    """FSDP2 over NCCL on cuda:0 and cuda:1 against the plain actor on cuda:0 (fp32, no
+    mixed precision): the same parameters after three steps, to rounding."""
+    from fsdp_helpers import run_ranks, train
+
+    rollout = _role(HFRollout, {"model": "tiny", "n": 4, "max_new_tokens": 6})
+    out, _ = rollout.handle("generate", prompt_batch(), {"step": 0, "mb_id": 0})
+    seqs = {k: v.cpu() for k, v in sequences(out).items()}
+    seqs["response_mask"][::3, 3:] = 0
+    seqs["advantages"] = torch.randn(
+        seqs["response_ids"].shape, generator=torch.Generator().manual_seed(0)
+    )
+    mbs = [{k: v[i * 6 : (i + 1) * 6] for k, v in seqs.items()} for i in range(2)]
+    opts = {"model": "tiny", "lr": 1e-3}
+    ranked, _ = run_ranks(2, "actor", opts, mbs, 3, tmp_path, cuda=True)
+    one = _role(Actor, opts)
+    train(one, mbs, 3)
+    for k, v in one.named_full_weights():
+        torch.testing.assert_close(ranked[k], v.cpu(), atol=2e-5, rtol=1e-4, msg=k)
