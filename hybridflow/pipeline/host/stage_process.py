@@ -242,6 +242,14 @@ class StageProcess:
 
     async def _setup_roles(self) -> bool:
         device = torch.device(self.cfg.device_of(self.replica))
+        if device.type == "cuda":
+            # The current CUDA device is per thread and starts as cuda:0: make it this
+            # stage's in the loop thread and in the worker thread, so code that captures
+            # or allocates on the "current" device (CUDA graphs, NCCL) lands on the
+            # stage's GPU. (Seen on two GPUs: a native rollout on cuda:1 failed its graph
+            # capture at setup.)
+            torch.cuda.set_device(device)
+            await self._in_worker(torch.cuda.set_device, device)
         try:  # connect weight-sync peers first: they meet while the models load
             self.weight_sync = StageWeightSync.for_stage(
                 self.topo,
