@@ -192,14 +192,22 @@ class NcclGroup:
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
+        """Free the communicators without waiting for any peer. A graceful `shutdown()`
+        waits for the peer's communicator too: a process that closes its group before
+        exiting, while its peer waits for that exit before closing its own, never exits
+        (seen on 2x H200: the streamed both-directions test hung in the echo child's
+        close after every message had arrived). Nothing is in flight at close (the
+        tier's queues are cleared first), so aborting loses nothing."""
         comms = [*self._to.values(), *self._from.values()]
         self._to, self._from = {}, {}
         for comm in comms:
-            if hasattr(comm, "shutdown"):
-                try:
-                    comm.shutdown()
-                except RuntimeError as exc:  # a peer already gone: nothing to flush
-                    log.debug("transport group shutdown: %s", exc)
+            stop = getattr(comm, "abort", None) or getattr(comm, "shutdown", None)
+            if stop is None:
+                continue
+            try:
+                stop()
+            except RuntimeError as exc:  # a peer already gone: nothing to flush
+                log.debug("transport group close: %s", exc)
 
 
 @dataclass

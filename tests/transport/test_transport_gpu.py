@@ -144,10 +144,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Seen on 2x H200 (2026-11-30): this streamed, both-directions case timed out after 60 s,
-# while the one-direction NCCL benchmark (bench transport) ran at 0.98-0.99x raw
-# send/recv. The same code passes over gloo on CPU. Open bug: keep the test failing
-# until the bidirectional NCCL path is fixed.
+# Seen on 2x H200 (2026-11-30): this streamed, both-directions case timed out. A stack
+# dump (2026-12-01) showed every message answered and the test waiting in child.join:
+# the echo child hung in its group's close (a graceful NCCL shutdown waits for the
+# peer's, and this process closes its group only after the join). NcclGroup.close now
+# aborts the communicators, which waits for no one.
 @pytest.mark.multigpu
 async def test_nccl_between_two_gpus(endpoint: str, run_id: str, spawn) -> None:
     from hybridflow.transport.nccl import NcclGroup, NcclTier
