@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -153,19 +152,13 @@ def _gather(actor: Any, device: torch.device) -> tuple[float, float | None]:
     return seconds, extra
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(args: argparse.Namespace, world: int, reduce_dtype: str) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     param_dtype = args.param_dtype or ("bfloat16" if cuda else "")
     cfg = {"args": vars(args), "reduce_dtype": reduce_dtype, "param_dtype": param_dtype}
     with tempfile.TemporaryDirectory() as out:
         torch.multiprocessing.spawn(
-            _rank, args=(world, f"tcp://127.0.0.1:{_free_port()}", cfg, out), nprocs=world
+            _rank, args=(world, f"file://{out}/rendezvous", cfg, out), nprocs=world
         )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
     step_s = max(sum(r["times"]) for r in ranks) / args.steps

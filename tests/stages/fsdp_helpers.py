@@ -10,7 +10,6 @@ Checkpoints go through the role's `save_shards` / `load_shards`, as the store do
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,6 @@ from hybridflow.stages.critic import Critic
 from hybridflow.stages.reference import Reference
 
 ROLES = {"actor": Actor, "critic": Critic, "reference": Reference}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def train(
@@ -114,7 +107,7 @@ def run_ranks(
         _rank_main,
         args=(
             world,
-            f"tcp://127.0.0.1:{free_port()}",
+            f"file://{out}/rendezvous",  # no port to pick (and race for)
             kind,
             options,
             micro_batches,

@@ -106,9 +106,14 @@ def join(
         )
         return group
     init_method = str(world.get("init_method", ""))
+    if init_method.startswith("file://"):  # a shared file instead of a port (tests, benches)
+        dist.init_process_group(
+            group.backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout
+        )
+        return group
     if not init_method.startswith("tcp://"):
         raise ConfigError(
-            "stages", f"rank {rank} of {size} has no tcp:// rendezvous ({init_method!r})"
+            "stages", f"rank {rank} of {size} has no tcp:// or file:// rendezvous ({init_method!r})"
         )
     addr = urlsplit(init_method)
     assert addr.hostname is not None and addr.port is not None
@@ -128,5 +133,9 @@ def join(
 
 
 def leave() -> None:
+    """Leave the group once every rank is done with it (a barrier first: a rank that
+    tears its group down while a peer still talks to it can abort the peer)."""
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
