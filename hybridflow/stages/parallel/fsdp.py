@@ -13,6 +13,7 @@ beyond the current bucket is unsharded at a time on any rank.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,6 +52,13 @@ def shard_model(model: torch.nn.Module, group: Group, opts: ShardingOptions) -> 
         "offload_policy": offload,
         "reshard_after_forward": opts.fsdp_reshard_after_forward,
     }
+    # FSDP2 warns on every forward whose output is a view (transformers' token-
+    # classification head returns one): an in-place op on it would skip a hook. The roles
+    # never modify model outputs in place (the critic's ranks equal one process, tested),
+    # so the warning is only noise in every stage log.
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning
+    )
     names = set(getattr(model, "_no_split_modules", None) or ())
     units = [m for m in model.modules() if type(m).__name__ in names and m is not model]
     for unit in units:
