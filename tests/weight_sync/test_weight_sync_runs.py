@@ -57,11 +57,15 @@ def _gone(run_id: str, launcher: _Pids) -> list[str]:
     return left + shm_names(run_id)
 
 
-@pytest.mark.parametrize("protocol", ["ipc", "tcp"])
+@pytest.mark.parametrize("protocol", ["ipc", "tcp", "ipc-staged"])
 def test_rollout_stage_generates_what_the_trained_actor_generates(tmp_path, protocol):
     # tcp: the weight link's port is a socket the session bound and kept listening; the
-    # sending process adopts it (ZMQ_USE_FD), no close-rebind window.
+    # sending process adopts it (ZMQ_USE_FD), no close-rebind window. staged: the rollout
+    # takes the buckets into its own memory first and loads them at its barrier.
     d = disaggregated(tmp_path)
+    protocol, _, staged = protocol.partition("-")
+    if staged:
+        d["dataflow"][-1]["params"] = {"stage_weights": True}
     d["transport"] = {**d.get("transport", {}), "protocol": protocol}
     run_id, launcher = f"wsrun-greedy-{protocol}", _Pids()
     probe = ShmProbe(run_id)
@@ -90,6 +94,7 @@ def test_rollout_stage_generates_what_the_trained_actor_generates(tmp_path, prot
     assert (untrained["rollout_logprobs"] - mine["rollout_logprobs"]).abs().max() > 0.1
 
     m = res.metrics[1]
+    assert m.get("weight_sync/staged", 0.0) == (1.0 if staged else 0.0)
     assert m["rollout/policy_version"] == 1.0 and m["actor/policy_version"] == 2.0
     # ~0.5 MB of weights in buckets of <= 0.02 MB: many buckets, all bytes moved once.
     assert m["weight_sync/buckets"] > 10 and m["weight_sync/bytes"] == m["reshard/bytes"]
@@ -116,13 +121,18 @@ def test_rollout_killed_mid_sync_stops_the_run_naming_it(tmp_path):
     assert _gone(run_id, launcher) == []
 
 
-def test_offpolicy_rollout_keeps_generating_on_the_old_weights(tmp_path):
+@pytest.mark.parametrize("staged", [False, True], ids=["streamed", "staged"])
+def test_offpolicy_rollout_keeps_generating_on_the_old_weights(tmp_path, staged):
     """max_offpolicy_steps = 1: rollout of step s may run before step s-1's weights land;
     every rollout then runs on a complete version within the bound (s-1 or s), and the
-    reshard/load pair never deadlocks behind generates queued on the rollout stage."""
+    reshard/load pair never deadlocks behind generates queued on the rollout stage. With
+    `stage_weights` the buckets are received beside those generates and loaded after."""
     d = disaggregated(tmp_path, steps=3, k=1)
     d["run"].update(step_batch=8, micro_batch=4)  # two generates per step to queue up
+    if staged:
+        d["dataflow"][-1]["params"] = {"stage_weights": True}
     res = run_topology(load_topology(d))
+    assert all(m.get("weight_sync/staged", 0.0) == float(staged) for m in res.metrics)
     versions = [m.get("rollout/policy_version", 0.0) for m in res.metrics]
     assert versions[0] == 0.0  # initial weights (no update yet)
     for s, v in enumerate(versions[1:], start=1):

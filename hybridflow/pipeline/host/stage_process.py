@@ -340,6 +340,7 @@ class StageProcess:
         ops side by side, plain ops queued for the one worker thread, step ops and Control
         calls as barriers of the process."""
         dispatch = Dispatcher()
+        staging: set[asyncio.Future[Any]] = set()  # staged weight receives not yet applied
         try:
             while True:
                 rx = await self._queue.get()
@@ -348,6 +349,17 @@ class StageProcess:
                     await dispatch.submit(lambda m=msg: self._run_control(m), mode=Mode.BARRIER)
                     continue
                 task: Task = msg  # type: ignore[assignment]
+                if self.weight_sync is not None and self.weight_sync.stages(task):
+                    # Staged weight load: receive now beside the running tasks, load at
+                    # the barrier (weight_sync.py, `stage_weights`).
+                    staged = asyncio.ensure_future(self.weight_sync.stage(task))
+                    staging.add(staged)
+                    staged.add_done_callback(staging.discard)
+                    await dispatch.submit(
+                        lambda t=task, st=staged: self._run_task(t, {}, None, staged=st),
+                        mode=Mode.BARRIER,
+                    )
+                    continue
                 spec, barrier = self._classify(task)
                 if barrier:
                     mode = Mode.BARRIER
@@ -362,6 +374,8 @@ class StageProcess:
                     name=f"stage.task.{task.role}.{task.op}.{task.step}.{task.mb_id}",
                 )
         finally:
+            for fut in staging:  # teardown before their barrier ran
+                fut.cancel()
             await dispatch.close()
 
     def _classify(self, task: Task) -> tuple[OpSpec | None, bool]:
@@ -377,7 +391,11 @@ class StageProcess:
         return spec, spec.scope is Scope.STEP
 
     async def _run_task(
-        self, task: Task, batch: dict[str, torch.Tensor], spec: OpSpec | None
+        self,
+        task: Task,
+        batch: dict[str, torch.Tensor],
+        spec: OpSpec | None,
+        staged: asyncio.Future[Any] | None = None,
     ) -> None:
         role = self.roles.get(task.role)
         params = dict(task.params)
@@ -389,6 +407,12 @@ class StageProcess:
         try:
             if role is None:
                 raise KeyError(f"role {task.role!r} is not hosted here (have {list(self.roles)})")
+            elif self.weight_sync is not None and staged is not None:
+                self._held[task.task_id] = True
+                outputs, metrics = (
+                    {},
+                    await self.weight_sync.apply(task, staged, self.roles, params, self._in_worker),
+                )
             elif self.weight_sync is not None and self.weight_sync.handles(task):
                 # Disaggregated reshard: weights stream stage to stage, not via the role.
                 self._held[task.task_id] = True

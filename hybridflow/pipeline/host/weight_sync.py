@@ -58,6 +58,10 @@ from hybridflow.transport.protocol import Task
 __all__ = ["DEFAULT_TIMEOUT_S", "WINDOW", "StageWeightSync", "WeightLink", "links"]
 
 TIMEOUT_PARAM = "sync_timeout_s"  # op param bounding every wait of one sync
+# load_weights param: take the buckets into private memory as they arrive, while the
+# rollout still generates, and load them at the barrier (see `stage`/`apply`).
+STAGE_PARAM = "stage_weights"
+Staged = list[tuple[Bucket, bool, int]]  # (bucket, last, version) in arrival order
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,6 +224,58 @@ class StageWeightSync:
             return dict(metrics)
 
         return await receiver.pull(load, timeout=timeout, setting=setting)
+
+    # -- staged receive ------------------------------------------------------------------
+    # With max_offpolicy_steps > 0 the rollout's load_weights arrives while generate calls
+    # of the next step are in flight; as a barrier it would wait for them, and the sender
+    # (a barrier in the actor's process) with it, so training could not overlap generation.
+    # `stage_weights: true` splits it: the stage host starts `stage` at once (buckets
+    # received and acknowledged beside the generates, the sender released), and `apply`
+    # runs as the barrier, loading the staged buckets once the generates are done. Cost: a
+    # full copy of the weights held on the receiver until the barrier (shared-memory
+    # buckets are copied out of their leases; NCCL buckets are already private).
+
+    def stages(self, task: Task) -> bool:
+        return (
+            task.op == "load_weights"
+            and task.role in self.receivers
+            and bool(task.params.get(STAGE_PARAM))
+        )
+
+    async def stage(self, task: Task) -> tuple[Staged, Metrics]:
+        """Receive every bucket of one version into private memory (acknowledging each)."""
+        link, receiver = self.receivers[task.role]
+        timeout = float(task.params.get(TIMEOUT_PARAM) or DEFAULT_TIMEOUT_S)
+        setting = f"dataflow[{link.load_ops[link.targets.index(task.role)]}].params.{TIMEOUT_PARAM}"
+        staged: Staged = []
+
+        async def keep(bucket: Bucket, last: bool, version: int) -> Metrics:
+            own = {k: t.clone() if t.device.type == "cpu" else t for k, t in bucket.items()}
+            staged.append((own, last, version))
+            return {}
+
+        metrics = await receiver.pull(keep, timeout=timeout, setting=setting)
+        return staged, metrics
+
+    async def apply(
+        self,
+        task: Task,
+        staged: Awaitable[tuple[Staged, Metrics]],
+        roles: dict[str, Any],
+        params: dict[str, Any],
+        in_worker: InWorker,
+    ) -> Metrics:
+        """The barrier half: load what `stage` received into the role, in order."""
+        buckets, metrics = await staged
+        role = roles[task.role]
+        loaded: Metrics = {}
+        while buckets:
+            bucket, last, version = buckets.pop(0)  # drop each once loaded
+            _, got = await in_worker(
+                role.handle, "load_weights", bucket, {**params, "last": last, "version": version}
+            )
+            loaded = dict(got)
+        return {**loaded, **metrics, "weight_sync/staged": 1.0}
 
     async def _send(
         self,

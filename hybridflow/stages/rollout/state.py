@@ -124,7 +124,9 @@ GENERATE_OUTPUTS = (
 # The dataflow `params:` each rollout op reads (a per-call override of the sampling
 # options, a fixed seed; a weight bucket's `last`/`version`); other keys are typos.
 GENERATE_PARAMS = (*_SAMPLING_OVERRIDES, "seed")
-LOAD_WEIGHTS_PARAMS = ("last", "version")
+# last/version: set per bucket by the stage host; sync_timeout_s and stage_weights: the
+# weight link's settings, read by the host (pipeline/host/weight_sync.py).
+LOAD_WEIGHTS_PARAMS = ("last", "version", "sync_timeout_s", "stage_weights")
 
 
 def check_prompts(
