@@ -6,10 +6,13 @@ preset with the native rollout, 3 small steps) over real stage processes and rea
 per-step metrics. The first step is a warm-up (CUDA-graph capture, allocator growth,
 lazy inits) and is reported apart; the figures are medians over the other steps:
 
-  samples_per_s          run.step_batch / timing/step
+  samples_per_s          run.step_batch / timing/period (throughput: with
+                         max_offpolicy_steps > 0 steps overlap, and the period between two
+                         step finishes is shorter than one step's latency)
+  period_s               timing/period
   gen_tokens_per_s       generated tokens of the step / timing/rollout (the rollout
                          phase's wall time: first generate sent -> last result back)
-  step_s                 timing/step
+  step_s                 timing/step (one step's latency, start to finish)
   phases                 per phase: wall_s (timing/<phase>: first dispatch -> last result)
                          and compute_s (compute/<phase>: seconds inside the role's op,
                          summed over micro-batches)
@@ -66,9 +69,11 @@ def summarize(
         return statistics.median(values) if values else 0.0
 
     phases = sorted(
-        {k.split("/", 1)[1] for r in timed for k in r if k.startswith("timing/")} - {"step"}
+        {k.split("/", 1)[1] for r in timed for k in r if k.startswith("timing/")}
+        - {"step", "period"}
     )
     step_s = med("timing/step")
+    period_s = med("timing/period") or step_s
     wall = {p: med(f"timing/{p}") for p in phases}
     gen_tokens = [
         r["response_length/mean"] * step_batch / r["timing/rollout"]
@@ -81,7 +86,8 @@ def summarize(
         "config": config,
         "steps_timed": len(timed),
         "step_batch": step_batch,
-        "samples_per_s": round(step_batch / step_s, 3) if step_s else 0.0,
+        "samples_per_s": round(step_batch / period_s, 3) if period_s else 0.0,
+        "period_s": round(period_s, 4),
         "gen_tokens_per_s": round(statistics.median(gen_tokens), 1) if gen_tokens else 0.0,
         "step_s": round(step_s, 4),
         "warmup_step_s": round(rows[0].get("timing/step", 0.0), 4),

@@ -45,7 +45,7 @@ def test_bench_step_quick_reports_phases_and_throughput(tmp_path, monkeypatch):
     )
     res = step.run(args)
     assert res["config"] == "grpo" and res["steps_timed"] == 2 and res["step_batch"] == 32
-    assert res["samples_per_s"] == pytest.approx(32 / res["step_s"], rel=0.01)
+    assert res["samples_per_s"] == pytest.approx(32 / res["period_s"], rel=0.01)
     assert {"rollout", "reward", "ref", "adv", "train", "reshard"} <= set(res["phases"])
     assert res["gen_tokens_per_s"] > 0 and 0 < res["response_len_mean"] <= 8
     assert -1.0 < res["overlap_share"] < 1.0

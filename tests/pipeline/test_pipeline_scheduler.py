@@ -348,3 +348,18 @@ def test_counters_are_summed_over_the_step_the_rest_averaged():
 def test_counter_naming_rule(key, summed):
     assert is_counter(key) is summed
     assert reduce_step_metric(key, 6.0, 3) == (6.0 if summed else 2.0)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_period_is_finish_to_finish_and_shorter_than_latency_when_steps_overlap(k):
+    _, sched = simulate(3, max_offpolicy_steps=k, steps=5)
+    rows = [m for _, m in sched.pop_finished()]
+    starts = [e.t for e in sched.events if e.kind == "start"]
+    finishes = [e.t for e in sched.events if e.kind == "finish"]
+    assert len(rows) == 5
+    # Periods tile the run: they add up to first start -> last finish.
+    assert sum(r["timing/period"] for r in rows) == pytest.approx(finishes[-1] - starts[0])
+    for r in rows:
+        assert r["perf/samples_per_s"] == pytest.approx(8 / r["timing/period"])
+    shorter = [r["timing/period"] < r["timing/step"] for r in rows]
+    assert any(shorter) if k else not any(shorter)

@@ -8,14 +8,16 @@ component is, or ends in `_` + one of, `count`, `failures`, `retries`, `requests
 fallback samples over 4 micro-batches show as 128, not 32); rates and means never match
 (`rollout/tokens_per_s`, `reward/mean`). Plus
 `timing/<phase>` (wall seconds from the phase's first dispatch to its last result in
-this step), `compute/<phase>`, `timing/step` and `policy_version` (the oldest policy that
-produced the step's samples), plus what `derive_step_metrics` adds:
+this step), `compute/<phase>`, `timing/step` (the step's latency: its start to its
+finish), `timing/period` (the previous step's finish to this one's: with
+max_offpolicy_steps > 0 steps overlap and the period is shorter than the latency) and
+`policy_version` (the oldest policy that produced the step's samples), plus what
+`derive_step_metrics` adds:
   reward/std          from reward/mean and reward/sq_mean (equal-sized micro-batches, so
                       the step's std is exact); reward/sq_mean itself is dropped
-  perf/samples_per_s  run.step_batch / timing/step
-  perf/tokens_per_s   (prompt_length/mean + response_length/mean) * step_batch / timing/step
-                      (prompt and response tokens, verl's convention; with overlapping
-                      steps timing/step overlaps too, so this is a lower bound)
+  perf/samples_per_s  run.step_batch / timing/period (throughput)
+  perf/tokens_per_s   (prompt_length/mean + response_length/mean) * step_batch /
+                      timing/period (prompt and response tokens, verl's convention)
 
 A sink receives `write(step, metrics)` in step order, from the coordinator's io thread
 (never the event loop), and `close()` once, also after a failed run. Sinks are
@@ -148,7 +150,9 @@ def derive_step_metrics(metrics: StepMetrics, step_batch: int) -> None:
     if "reward/sq_mean" in metrics and "reward/mean" in metrics:
         var = metrics.pop("reward/sq_mean") - metrics["reward/mean"] ** 2
         metrics["reward/std"] = math.sqrt(max(var, 0.0))
-    step_s = metrics.get("timing/step", 0.0)
+    # Throughput over the period, not the latency: overlapping steps (k > 0) would
+    # otherwise be counted as if they ran one after another.
+    step_s = metrics.get("timing/period") or metrics.get("timing/step", 0.0)
     if step_s > 0:
         metrics["perf/samples_per_s"] = step_batch / step_s
         if "response_length/mean" in metrics:

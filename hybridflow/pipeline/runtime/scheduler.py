@@ -158,6 +158,7 @@ class Scheduler:
         self._started = start_step
         self._finished = start_step
         self._finished_out: list[tuple[int, dict[str, float]]] = []
+        self._last_finish: float | None = None  # clock time the previous step finished
         self._tasks: dict[int, _Task] = {}
         self._next_task = 0
         self._reserved: set[str] = set()
@@ -431,6 +432,9 @@ class Scheduler:
                 metrics[f"timing/{phase}"] = st.phase_t1.get(phase, now) - t0
                 metrics[f"compute/{phase}"] = st.compute.get(phase, 0.0)
             metrics["timing/step"] = now - st.t_start
+            last = self._last_finish if self._last_finish is not None else st.t_start
+            metrics["timing/period"] = now - last
+            self._last_finish = now
             versions = st.head_versions or [self.policy_version]
             metrics["policy_version"] = float(min(versions))
             derive_step_metrics(metrics, self.step_batch)  # reward/std, perf/*
