@@ -58,7 +58,17 @@ def test_validate_json_and_colocation(tmp_path, capsys):
         "inputs": ["sample_idx", "prompt_ids"],
         "outputs": ["response_ids"],
         "head": True,
+        "sharded": False,
     }
+
+
+def test_validate_shows_which_ops_run_on_every_fsdp_rank(capsys):
+    assert main(["validate", "grpo", "--set", "stages.engine.replicas=2", "--json"]) == 0
+    ops = {o["op"]: o["sharded"] for o in json.loads(capsys.readouterr().out)["ops"]}
+    assert ops["actor.update"] and ops["actor.optimizer_step"] and ops["actor.reshard"]
+    assert not ops["rollout.generate"] and not ops["reference.get_logprob"]  # copies
+    assert main(["validate", "grpo", "--set", "stages.engine.replicas=2"]) == 0
+    assert "actor.update(" in (out := capsys.readouterr().out) and "FSDP: every rank" in out
 
 
 def test_bad_config_exits_2_with_one_line(tmp_path, capsys):

@@ -315,6 +315,7 @@ def describe(plan: Plan) -> dict[str, Any]:
                 "inputs": list(op.cfg.inputs),
                 "outputs": list(op.cfg.outputs),
                 "head": op.head,
+                "sharded": op.sharded,
             }
             for op in plan.ops
         ],
@@ -348,9 +349,10 @@ def describe_text(plan: Plan) -> str:
     lines.append(f"dataflow ({len(d['ops'])} ops, phases: {', '.join(plan.phases)}):")
     for i, op in enumerate(d["ops"]):
         scope = "step" if op["scope"] == "step" else "mb  "
+        ranks = "  (FSDP: every rank, its share of the rows)" if op["sharded"] else ""
         lines.append(
             f"  [{i}] {scope} {op['op']}({', '.join(op['inputs'])}) -> "
-            f"({', '.join(op['outputs'])})  on {op['runs_on']}"
+            f"({', '.join(op['outputs'])})  on {op['runs_on']}{ranks}"
         )
     lines.append("edges:")
     for e in d["edges"]:
