@@ -213,17 +213,15 @@ class StageWeightSync:
             link, sender = self.senders[task.role]
             setting = f"dataflow[{link.reshard_op}].params.{TIMEOUT_PARAM}"
             return await self._send(link, sender, roles, params, in_worker, timeout, setting)
-        link, receiver = self.receivers[task.role]
-        setting = f"dataflow[{link.load_ops[link.targets.index(task.role)]}].params.{TIMEOUT_PARAM}"
-        role = roles[task.role]
-
-        async def load(bucket: Bucket, last: bool, version: int) -> Metrics:
-            _, metrics = await in_worker(
-                role.handle, "load_weights", bucket, {**params, "last": last, "version": version}
-            )
-            return dict(metrics)
-
+        receiver, setting = self._receiver(task)
+        load = _loader(roles[task.role], params, in_worker)
         return await receiver.pull(load, timeout=timeout, setting=setting)
+
+    def _receiver(self, task: Task) -> tuple[WeightReceiver, str]:
+        """The receiving end of `task`'s link, and the dotted key of its timeout."""
+        link, receiver = self.receivers[task.role]
+        index = link.load_ops[link.targets.index(task.role)]
+        return receiver, f"dataflow[{index}].params.{TIMEOUT_PARAM}"
 
     # -- staged receive ------------------------------------------------------------------
     # With max_offpolicy_steps > 0 the rollout's load_weights arrives while generate calls
@@ -244,9 +242,8 @@ class StageWeightSync:
 
     async def stage(self, task: Task) -> tuple[Staged, Metrics]:
         """Receive every bucket of one version into private memory (acknowledging each)."""
-        link, receiver = self.receivers[task.role]
+        receiver, setting = self._receiver(task)
         timeout = float(task.params.get(TIMEOUT_PARAM) or DEFAULT_TIMEOUT_S)
-        setting = f"dataflow[{link.load_ops[link.targets.index(task.role)]}].params.{TIMEOUT_PARAM}"
         staged: Staged = []
 
         async def keep(bucket: Bucket, last: bool, version: int) -> Metrics:
@@ -267,14 +264,10 @@ class StageWeightSync:
     ) -> Metrics:
         """The barrier half: load what `stage` received into the role, in order."""
         buckets, metrics = await staged
-        role = roles[task.role]
+        load = _loader(roles[task.role], params, in_worker)
         loaded: Metrics = {}
         while buckets:
-            bucket, last, version = buckets.pop(0)  # drop each once loaded
-            _, got = await in_worker(
-                role.handle, "load_weights", bucket, {**params, "last": last, "version": version}
-            )
-            loaded = dict(got)
+            loaded = await load(*buckets.pop(0))  # each bucket dropped once loaded
         return {**loaded, **metrics, "weight_sync/staged": 1.0}
 
     async def _send(
@@ -327,6 +320,20 @@ class StageWeightSync:
                 await sender.close()
         for _, receiver in self.receivers.values():
             await receiver.close()
+
+
+def _loader(
+    role: Any, params: dict[str, Any], in_worker: InWorker
+) -> Callable[[Bucket, bool, int], Awaitable[Metrics]]:
+    """One bucket into the receiving role (its load_weights op, in its worker thread)."""
+
+    async def load(bucket: Bucket, last: bool, version: int) -> Metrics:
+        _, metrics = await in_worker(
+            role.handle, "load_weights", bucket, {**params, "last": last, "version": version}
+        )
+        return dict(metrics)
+
+    return load
 
 
 def _drain(buckets: Iterator[Bucket]) -> None:

@@ -25,12 +25,6 @@ from hybridflow.stages.parallel.options import ShardingOptions
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def shard_model(model: torch.nn.Module, group: Group, opts: ShardingOptions) -> torch.nn.Module:
     """Shard `model` in place over `group` (per layer, then the root); returns it."""
     from torch.distributed.fsdp import (

@@ -77,10 +77,6 @@ class Group:
             out.update(k for k in text.split("\n") if k)
         return sorted(out)
 
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
 
 def join(
     world: dict[str, Any], device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S

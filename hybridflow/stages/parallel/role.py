@@ -61,11 +61,8 @@ class ShardedModelRole:
         return getattr(self, "trainer", None) is not None
 
     def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.group is None:
-            for name, p in self.model.named_parameters():
-                yield name, p.detach()
-        else:
-            yield from full_weights(self.model, self.device)
+        # Unsharded, each tensor is the parameter itself (detached, no copy).
+        yield from full_weights(self.model, self.device)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         trainer = getattr(self, "trainer", None)
