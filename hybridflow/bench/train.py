@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, init: str, cfg: dict[str, Any], out: str) -> No
     from hybridflow.stages.actor import Actor
     from hybridflow.stages.base import StageContext
     from hybridflow.stages.parallel.fsdp import local_numel
-    from hybridflow.stages.parallel.group import Group, leave
+    from hybridflow.stages.parallel.group import Group, exit_rank
 
     args = argparse.Namespace(**cfg["args"])
     cuda = torch.cuda.is_available()
@@ -132,7 +132,7 @@ def _rank(rank: int, world: int, init: str, cfg: dict[str, Any], out: str) -> No
     result |= {"checksum": checksum, "gather_s": gather_s, "gather_extra_gb": extra}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     actor.close()
-    leave()
+    exit_rank()
 
 
 def _gather(actor: Any, device: torch.device) -> tuple[float, float | None]:

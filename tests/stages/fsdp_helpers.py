@@ -86,9 +86,9 @@ def _rank_main(
     if rank == 0:
         save_file(weights, str(Path(out) / "weights.safetensors"))
         (Path(out) / "metrics.json").write_text(json.dumps(metrics))
-    from hybridflow.stages.parallel.group import leave
+    from hybridflow.stages.parallel.group import exit_rank
 
-    leave()
+    exit_rank()
 
 
 def run_ranks(
