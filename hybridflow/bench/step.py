@@ -20,6 +20,9 @@ lazy inits) and is reported apart; the figures are medians over the other steps:
                          by running phases at the same time (0 = strictly one after another)
   peak_gpu_mem_gb        the rollout stage process's peak allocated CUDA memory (the whole
                          hybrid engine when colocated), when it runs on a GPU
+  gpu_mem_per_device     per device the run uses: nvidia-smi's memory.used, peak while the
+                         run lasted and before it started (every process on the device,
+                         CUDA contexts and caches included); null without nvidia-smi
   reward_mean            first and last step's reward/mean (a sanity check, not a goal)
 """
 
@@ -31,7 +34,8 @@ import statistics
 import sys
 from typing import Any
 
-from hybridflow.config.schema import load_topology
+from hybridflow.bench.gpumem import DeviceMemorySampler
+from hybridflow.config.schema import Topology, load_topology
 from hybridflow.pipeline.runtime.runner import run_topology
 
 QUICK = [
@@ -52,9 +56,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not any(o.startswith("metrics.backends") for o in overrides):
         overrides.append("metrics.backends=[memory]")
     topo = load_topology(config, overrides)
-    with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON
+    with contextlib.redirect_stdout(sys.stderr), DeviceMemorySampler() as mem:  # stdout: JSON
         result = run_topology(topo)
-    return summarize(config, topo.run.step_batch, result.metrics, result.startup_s)
+    summary = summarize(config, topo.run.step_batch, result.metrics, result.startup_s)
+    summary["gpu_mem_per_device"] = used_devices(mem.report(), topo)
+    return summary
+
+
+def used_devices(
+    report: dict[str, dict[str, float]] | None, topo: Topology
+) -> dict[str, dict[str, float]] | None:
+    """The sampler's report cut to the devices the topology names (a shared machine's
+    other GPUs say nothing about this run)."""
+    if report is None:
+        return None
+    named = {s.device_of(r) for s in topo.stages.values() for r in range(s.replicas)}
+    return {dev: v for dev, v in report.items() if dev in named}
 
 
 def summarize(

@@ -4,6 +4,7 @@ consistency only: timing numbers belong to the benchmark, not to assertions)."""
 from __future__ import annotations
 
 import argparse
+import threading
 
 import pytest
 
@@ -50,6 +51,8 @@ def test_bench_step_quick_reports_phases_and_throughput(tmp_path, monkeypatch):
     assert res["gen_tokens_per_s"] > 0 and 0 < res["response_len_mean"] <= 8
     assert -1.0 < res["overlap_share"] < 1.0
     assert res["peak_gpu_mem_gb"] is None  # CPU
+    # a CPU-only topology names no GPU, so even a machine with nvidia-smi reports none
+    assert res["gpu_mem_per_device"] in (None, {})
 
 
 def test_bench_transport_quick_runs_every_cpu_tier(monkeypatch):
@@ -83,3 +86,36 @@ def test_bench_train_runs_two_gloo_ranks_and_reports_throughput():
         assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["mfu"] is None  # CPU
     # The same data on one rank and on two: the same weights, to rounding.
     assert two["final_param_checksum"] == pytest.approx(one["final_param_checksum"], rel=1e-6)
+
+
+def test_gpu_memory_sampler_keeps_each_devices_peak_under_run_names(monkeypatch):
+    """The sampler's seam is nvidia-smi's CSV: physical indices map to the run's cuda:<i>
+    through CUDA_VISIBLE_DEVICES, hidden devices and unreadable rows drop out, and each
+    device keeps its peak and its figure from before the run."""
+    from hybridflow.bench import gpumem
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    readings = ["2, 1024\n3, 512\n", "2, 8192\n3, [N/A]\n0, 90000\n", "2, 4096\n3, 2048\n"]
+    calls = threading.Semaphore(0)
+
+    def query() -> str:
+        calls.release()
+        return readings.pop(0) if len(readings) > 1 else readings[0]
+
+    with gpumem.DeviceMemorySampler(interval_s=0.01, query=query) as mem:
+        for _ in range(4):  # the reading before the run, then three polls
+            assert calls.acquire(timeout=10)
+    assert mem.report() == {
+        "cuda:0": {"peak_used_gb": 8.0, "before_gb": 1.0},
+        "cuda:1": {"peak_used_gb": 2.0, "before_gb": 0.5},
+    }
+    assert gpumem.visible_devices("GPU-0a1b,GPU-2c3d") is None  # UUIDs: no mapping
+
+
+def test_gpu_memory_report_is_none_without_nvidia_smi(monkeypatch):
+    from hybridflow.bench import gpumem
+
+    monkeypatch.setattr(gpumem.shutil, "which", lambda _: None)
+    with gpumem.DeviceMemorySampler(interval_s=0.01) as mem:
+        pass
+    assert mem.report() is None
