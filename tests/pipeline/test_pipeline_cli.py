@@ -71,6 +71,36 @@ def test_validate_shows_which_ops_run_on_every_fsdp_rank(capsys):
     assert "actor.update(" in (out := capsys.readouterr().out) and "FSDP: every rank" in out
 
 
+def test_validate_names_gpus_that_several_stage_processes_share(capsys):
+    """The seed's four-GPU PPO layout packed onto one GPU: three stage processes on cuda:0
+    (each with its own allocator), which validate says, and an out-of-memory failure there
+    names the other stages instead of pids. Planning needs no GPU."""
+    from hybridflow.config.schema import load_topology
+    from hybridflow.pipeline.compiler.plan import build_plan
+    from hybridflow.pipeline.runtime.coordinator import oom_hint
+
+    cfg = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "configs", "ppo-4gpu.yaml")
+    one_gpu = ["stages.engine.replicas=1", "stages.engine.devices=[cuda:0]"]
+    one_gpu += ["stages.critic.devices=cuda:0", "stages.reward.devices=cuda:0"]
+    args = [a for o in one_gpu for a in ("--set", o)]
+    assert main(["validate", cfg, *args, "--json"]) == 0
+    shared = json.loads(capsys.readouterr().out)["shared_gpus"]
+    assert shared == {"cuda:0": ["engine/0", "critic/0", "reward/0"]}
+    assert main(["validate", cfg, *args]) == 0
+    assert "shared GPU: cuda:0 hosts 3 stage processes" in capsys.readouterr().out
+
+    plan = build_plan(load_topology(cfg, one_gpu))
+    engine = next(p for p in plan.processes if p.name == "engine/0")
+    hint = oom_hint(plan, engine, "OutOfMemoryError")
+    assert "cuda:0 is shared with stage process(es) critic/0, reward/0" in hint
+    assert oom_hint(plan, engine, "ValueError") == ""
+    # the layout as written (critic and reward on GPUs of their own) shares nothing
+    own = build_plan(load_topology(cfg, []))
+    assert own.shared_gpus() == {} and oom_hint(own, own.processes[0], "OutOfMemoryError") == ""
+    assert main(["validate", cfg, "--json"]) == 0
+    assert "shared_gpus" not in json.loads(capsys.readouterr().out)
+
+
 def test_bad_config_exits_2_with_one_line(tmp_path, capsys):
     f = tmp_path / "t.yaml"
     f.write_text(yaml.safe_dump(small_topology(tmp_path)))

@@ -79,6 +79,17 @@ class Plan:
     def role_ops(self, role: str) -> dict[str, dict[str, Any]]:
         return role_ops(self.topology, role)
 
+    def shared_gpus(self) -> dict[str, tuple[str, ...]]:
+        """GPU -> the stage processes on it, for GPUs that host more than one. Legal (a
+        user may pack small stages onto one device), but each process has its own CUDA
+        allocator and cache: memory one frees is not free for the others, and their
+        peaks add up. Roles that share a stage share one process and one allocator."""
+        on: dict[str, list[str]] = {}
+        for p in self.processes:
+            if p.device.startswith("cuda"):
+                on.setdefault(p.device, []).append(p.name)
+        return {dev: tuple(names) for dev, names in sorted(on.items()) if len(names) > 1}
+
     def edges(self) -> list[tuple[str, str, str]]:
         """(producer label, consumer label, value) for every value that crosses an op."""
         out = []
@@ -282,6 +293,7 @@ def _check_devices(topo: Topology) -> None:
 def describe(plan: Plan) -> dict[str, Any]:
     """The resolved topology as plain data (`hybridflow validate --json`)."""
     t = plan.topology
+    shared = plan.shared_gpus()
     return {
         "name": t.name,
         "config_hash": plan.config_hash,
@@ -321,6 +333,7 @@ def describe(plan: Plan) -> dict[str, Any]:
         ],
         "edges": [{"from": a, "to": b, "value": v} for a, b, v in plan.edges()],
         **_weight_links(t),
+        **({"shared_gpus": {d: list(n) for d, n in shared.items()}} if shared else {}),
     }
 
 
@@ -359,4 +372,9 @@ def describe_text(plan: Plan) -> str:
         lines.append(f"  {e['from']} -> {e['to']}: {e['value']}")
     for w in d.get("weight_sync", []):
         lines.append(f"weights: {w['from']} -> {', '.join(w['to'])} over {w['tier']}")
+    for dev, names in d.get("shared_gpus", {}).items():
+        lines.append(
+            f"shared GPU: {dev} hosts {len(names)} stage processes ({', '.join(names)}); each "
+            "has its own CUDA allocator, so their peaks add up (roles in one stage share one)"
+        )
     return "\n".join(lines)

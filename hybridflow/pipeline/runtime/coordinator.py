@@ -67,7 +67,7 @@ from hybridflow.errors import (
     StageError,
 )
 from hybridflow.pipeline.checkpoint.store import Checkpointer, load_drivers, save_drivers
-from hybridflow.pipeline.compiler.plan import Plan
+from hybridflow.pipeline.compiler.plan import Plan, ProcessInfo
 from hybridflow.pipeline.driver.registry import resolve_driver_op
 from hybridflow.pipeline.observe.metrics import MetricsSink
 from hybridflow.pipeline.runtime.launcher import Launcher
@@ -407,7 +407,8 @@ class Coordinator:
             else f"in {f.role}.{f.op} at step {f.step} micro-batch {f.mb_id}"
         )
         return StageError(
-            f"stage {f.stage} replica {f.replica} failed {where}: {f.error_type}: {f.message}",
+            f"stage {f.stage} replica {f.replica} failed {where}: {f.error_type}: {f.message}"
+            + oom_hint(self.plan, peer.info, f.error_type),
             stage=f.stage,
             replica=f.replica,
             step=f.step if f.step >= 0 else None,
@@ -627,3 +628,15 @@ async def shutdown_peers(chan: Channel, peers: dict[bytes, StagePeer], reason: s
             await chan.send(Shutdown(reason=reason), to=ident, timeout=1.0)
         except HybridflowError as exc:
             log.debug("shutdown to %s not delivered: %s", peer.info.name, exc)
+
+
+def oom_hint(plan: Plan, process: ProcessInfo, error_type: str) -> str:
+    """torch's out-of-memory text names the other processes on the GPU by pid only; for a
+    GPU that several stage processes share, name them as stages and say what helps."""
+    others = [n for n in plan.shared_gpus().get(process.device, ()) if n != process.name]
+    if error_type != "OutOfMemoryError" or not others:
+        return ""
+    return (
+        f" (hint: {process.device} is shared with stage process(es) {', '.join(others)}, each "
+        "with its own CUDA allocator: give them their own GPUs, or host their roles in one stage)"
+    )
