@@ -10,7 +10,8 @@ into those dataclasses and refuses anything it does not understand:
 Supported field types: bool/int/float/str, Literal[...], Enum, Optional/unions of those,
 list[T], tuple[T, ...], dict[str, T], nested dataclasses, and `Any` (kept as is; used for
 backend-specific `options`). `--set a.b=c` overrides are parsed as YAML scalars; a
-numeric part indexes a list (`dataflow.3.params.kl_coef=0.1`).
+numeric part indexes a list (`dataflow.3.params.kl_coef=0.1`; `dataflow[3].params.kl_coef`,
+the form error messages print, means the same).
 
 YAML is read by `parse_yaml`, which refuses what `yaml.safe_load` lets through:
   - duplicate keys     -> ConfigError("run.steps", "duplicate key in f.yaml: line 3 and line 9")
@@ -31,6 +32,7 @@ import enum
 import hashlib
 import json
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -146,7 +148,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         except ConfigError as exc:
             raise ConfigError(key, f"override value {raw!r} refused: {exc}") from exc
         node: Any = out
-        parts = key.split(".")
+        parts = re.sub(r"\[(\d+)\]", r".\1", key).split(".")  # a[3].b -> a.3.b
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             if isinstance(node, list):  # a list item by index: dataflow.3.params.kl_coef=0.1

@@ -281,6 +281,11 @@ def test_overrides_and_file(tmp_path):
     assert topo.run.steps == 5 and topo.stages["reward"].replicas == 2
     with pytest.raises(ConfigError, match=r"^stages.reward.replicas: must be >= 1, got 0$"):
         load_topology(str(f), ["stages.reward.replicas=0"])
+    # list items: `dataflow.1.phase` and the form errors print, `dataflow[1].phase`
+    for key in ("dataflow.1.phase", "dataflow[1].phase"):
+        assert load_topology(str(f), [f"{key}=scoring"]).dataflow[1].phase == "scoring"
+    with pytest.raises(ConfigError, match=r"^dataflow.9: '9' is not an index of this list"):
+        load_topology(str(f), ["dataflow[9].phase=x"])
 
 
 def test_round_trip_and_hash_are_stable():

@@ -44,6 +44,9 @@ def test_group_estimator_needs_whole_groups_in_a_micro_batch():
         "run.micro_batch: 4 is not a multiple of data.options.samples_per_prompt (8)"
     )
     assert "use one of 8, 16, 32" in msg
+    # over the whole step (scope: step) the groups meet in one call whatever the micro-batch
+    i = _adv_index(load_topology("grpo"))
+    build_plan(load_topology("grpo", ["run.micro_batch=4", f"dataflow[{i}].scope=step"]))
 
 
 def test_group_estimator_needs_two_samples_per_prompt():

@@ -156,3 +156,47 @@ def test_grpo_with_the_native_engine_learns_and_batches_micro_batches_together(t
     history = [round(r["reward/mean"], 3) for r in rows]
     assert first < 0.15 and last > 2 * first + 0.1, history
     assert max(r["rollout/concurrent_calls"] for r in rows) > 1.0, history
+
+
+def test_ppo_with_step_wide_advantages_whitens_over_the_whole_step(tmp_path):
+    """`scope: step` on the advantages op: GAE runs once per step over every micro-batch,
+    so its whitening is the step's (verl's), while actor.update still runs per
+    micro-batch on its slice, cut back to that micro-batch's response width. The adaptive
+    KL coefficient keeps moving with one call per step."""
+    import torch
+
+    from hybridflow.algos.utils import masked_mean
+    from hybridflow.pipeline.runtime.scheduler import concat_rows
+
+    topo = preset(
+        "ppo",
+        tmp_path / "ppo-step",
+        "run.steps=3",
+        "run.step_batch=16",
+        "run.micro_batch=2",
+        "metrics.backends=[memory]",
+        "dataflow[4].scope=step",
+        # long enough that some micro-batch ends early (seeded: step 2 has a narrower one)
+        "stages.engine.roles.rollout.options.max_new_tokens=48",
+    )
+    assert topo.dataflow[4].op == "advantages"
+    res = run_topology(topo, collect=("advantages", "response_mask"))
+    widths = {m.shape[1] for got in res.collected.values() for m in got["response_mask"]}
+    assert len(widths) > 1, f"no micro-batch of another width: {widths}; the cut is untested"
+    for step, got in res.collected.items():
+        (adv,) = got["advantages"]  # one step-wide value: [16, R_max]
+        mask = concat_rows(got["response_mask"]).float()  # per micro-batch -> [16, R_max]
+        assert adv.shape == mask.shape
+        mean = masked_mean(adv, mask)
+        var = masked_mean((adv - mean) ** 2, mask)
+        assert abs(float(mean)) < 1e-4 and abs(float(var) - 1.0) < 0.05, (step, mean, var)
+        # per micro-batch the means differ: this was not per-micro-batch whitening
+        mb_means = [
+            float(masked_mean(a, m.float()))
+            for a, m in zip(adv.split(2), mask.split(2), strict=True)
+        ]
+        assert max(map(abs, mb_means)) > 1e-3, mb_means
+        assert torch.isfinite(adv).all()
+    coefs = [row["actor/kl_coef"] for row in res.metrics]
+    assert len(set(coefs)) == len(coefs), coefs  # adaptive: a new value every step
+    assert all(math.isfinite(row["actor/pg_loss"]) for row in res.metrics)

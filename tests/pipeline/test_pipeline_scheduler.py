@@ -269,6 +269,74 @@ def test_step_values_concatenate_and_split_back():
     assert torch.equal(got["rewards_out"][0], torch.arange(8, 16).float())
 
 
+def _drive_by_hand(plan: Plan, answer: Any) -> dict[int, Any]:
+    """One step, completed in dispatch order: driver ops run, stage ops return
+    `answer(dispatch)`. -> micro-batch -> the inputs actor.update received."""
+    sched = Scheduler(plan)
+    sched.data_requests()
+    sched.add_data(0, create_source(plan.topology.data, 0).batch(0, 8))
+    seen: dict[int, Any] = {}
+    while not sched.done:
+        ready = sched.ready()
+        assert ready, "stalled"
+        for d in ready:
+            params = {"step": d.step, "mb_id": d.mb_id, "policy_version": 0}
+            if d.op.stage is None:
+                out, _ = resolve_driver_op(d.op.cfg.op, "")(d.inputs, params)
+                sched.complete(d.task_id, DRIVER_REPLICA, out, {})
+                continue
+            if d.op.label == "actor.update":
+                seen[d.mb_id] = d.inputs
+            for r in d.replicas:
+                sched.complete(d.task_id, r, answer(d), {})
+    return seen
+
+
+def _ragged(widths: list[int], other: list[int]) -> Any:
+    def answer(d: Any) -> dict[str, torch.Tensor]:
+        if d.op.label == "rollout.generate":
+            return {"response_ids": torch.full((2, widths[d.mb_id]), d.mb_id + 1)}
+        if d.op.label == "reward.score":
+            return {"rewards": torch.zeros(2), "other": torch.zeros(2, other[d.mb_id])}
+        return {"weights": torch.zeros(1)} if d.op.label == "actor.reshard" else {}
+
+    return answer
+
+
+def _step_identity(*inputs: str) -> Plan:
+    data = topology(steps=1)
+    data["dataflow"][1]["outputs"] = ["rewards", "other"]
+    outs = [f"{n}_out" for n in inputs]
+    data["dataflow"][2] |= {"scope": "step", "inputs": list(inputs), "outputs": outs}
+    data["dataflow"][3]["inputs"] = ["sample_idx", "response_ids", *outs]
+    return build_plan(load_topology(data))
+
+
+def test_step_values_of_ragged_micro_batches_are_cut_back_to_each_widths():
+    """A step op over responses of different widths per micro-batch gets them padded to
+    the widest (concat_rows); what it returns in that padded shape goes back to each
+    micro-batch at that micro-batch's own width, so it lines up with its masks (a
+    step-wide advantage op feeding per-micro-batch training)."""
+    widths = [3, 5, 4, 2]
+    seen = _drive_by_hand(_step_identity("response_ids"), _ragged(widths, [1] * 4))
+    for m, w in enumerate(widths):
+        assert seen[m]["response_ids_out"].shape == (2, w)
+        assert torch.equal(seen[m]["response_ids_out"], seen[m]["response_ids"])
+    # two ragged inputs of different padded widths: each output goes back by its own
+    other = [6, 1, 2, 3]
+    seen = _drive_by_hand(_step_identity("response_ids", "other"), _ragged(widths, other))
+    for m in range(4):
+        assert seen[m]["response_ids_out"].shape == (2, widths[m])
+        assert seen[m]["other_out"].shape == (2, other[m])
+
+
+def test_ragged_step_values_that_could_go_back_two_ways_are_refused():
+    """Two inputs padded to the same width but ragged differently: the cut is ambiguous."""
+    plan = _step_identity("response_ids", "other")
+    with pytest.raises(PipelineError, match=r"padded shape \[5\] of two of its inputs"):
+        _drive_by_hand(plan, _ragged([3, 5, 4, 2], [5, 1, 2, 3]))
+
+
 def test_missing_output_is_a_stage_error():
     plan = build_plan(load_topology(topology(steps=1)))
     sched = Scheduler(plan)

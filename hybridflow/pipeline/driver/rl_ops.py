@@ -1,4 +1,4 @@
-"""Coordinator-side RL math: the `advantages` driver op (per micro-batch).
+"""Coordinator-side RL math: the `advantages` driver op (per micro-batch, or per step).
 
     driver.advantages(rewards [B], response_mask [B, R], + what the estimator needs)
         -> advantages [B, R]          (and returns [B, R] where the estimator defines them)
@@ -9,7 +9,8 @@ Params (the op's `params:` block, checked when the run is planned):
                    reinforce_pp | reinforce_pp_baseline | gae                 (grpo)
   norm_std, eps    GRPO: divide by the group std (false = Dr. GRPO)            (true, 1e-6)
   gamma, lam       discount and GAE lambda                                    (1.0, 1.0)
-  whiten           GAE: whiten advantages over the micro-batch's tokens        (true)
+  whiten           GAE: whiten advantages over the call's tokens (the micro-batch's, or
+                   the step's with `scope: step`)                              (true)
   kl_penalty       null | k1 | k2 | k3: subtract coef * KL(policy || reference) from the
                    token rewards before the estimator (PPO's "KL in the reward")  (null)
   kl_coef          the (initial) coefficient                                   (0.0)
@@ -28,28 +29,32 @@ Params (the op's `params:` block, checked when the run is planned):
 
 Dynamic sampling, what is and is not done: DAPO drops zero-variance groups and then
 samples MORE prompts until the step holds `step_batch` informative samples. Here the
-filter runs per micro-batch inside this op (which cannot ask the data source for more
+filter runs per call inside this op (which cannot ask the data source for more
 prompts: the coordinator sizes steps up front), so a step trains on the informative
 groups it happened to draw: fewer samples when many groups agree, never a refill.
 Counted per step: dynamic_sampling/kept_groups_count, dynamic_sampling/dropped_groups_count
 (summed over micro-batches) and dynamic_sampling/kept_frac (share of samples kept).
 
-Whitening GAE advantages over the whole step is NOT an option here: this op runs once
-per micro-batch and its output feeds that micro-batch's actor.update at once (streamed
-training), so step-level statistics would need every micro-batch's rewards and values
-first: a barrier inside the step, a coordinator change, and the end of the overlap
-between scoring later micro-batches and training earlier ones.
+Per micro-batch or per step (the op's `scope`). With `scope: micro_batch` (the default)
+each call sees one micro-batch and its result feeds that micro-batch's actor.update at
+once (streamed training): batch statistics (GAE's whitening, REINFORCE++'s normalisation,
+dynamic sampling's groups) are the micro-batch's. With `scope: step` the op runs once,
+behind a barrier, over the whole step (the scheduler concatenates the micro-batches,
+padding responses to the widest, and cuts each output back to every micro-batch's own
+width): statistics are the step's, as in verl, which whitens over its training batch;
+the cost is the overlap between scoring later micro-batches and training earlier ones,
+since no actor.update of the step starts before every micro-batch is scored.
 
 Inputs by estimator (its EstimatorSpec): `needs_groups` ones read `group_index` [B];
 `needs_values` ones (gae) read `values` [B, R]; `returns` ones may output `returns`;
 kl_penalty reads `ref_logprobs` [B, R] and `<old_logprob_key>` [B, R].
 
-Group estimators need every sample of a prompt in the same micro-batch: with the
-`prompts` data source that is `run.micro_batch % data.options.samples_per_prompt == 0`,
-checked at plan time (ConfigError naming run.micro_batch and the sizes that work).
+Group estimators need every sample of a prompt in the same call: with the `prompts` data
+source and `scope: micro_batch` that is `run.micro_batch % data.options.samples_per_prompt
+== 0`, checked at plan time (ConfigError naming run.micro_batch and the sizes that work).
 
-Metrics per micro-batch (the coordinator averages micro-batches, which are equal-sized,
-so means stay exact): reward/mean, reward/max, reward/min, response_length/mean,
+Metrics per call (the coordinator averages micro-batches, which are equal-sized, so
+means stay exact): reward/mean, reward/max, reward/min, response_length/mean,
 prompt_length/mean (when prompt_mask is an input), adv/mean, adv/abs_mean, plus
 reward/sq_mean (turned into reward/std per step by metrics.derive_step_metrics) and,
 with a KL penalty, reward/kl (mean per-token KL), reward/kl_penalty (coef * kl) and
@@ -154,12 +159,14 @@ class Advantages:
         self.p = from_dict(AdvantageParams, dict(cfg.params), f"{path}.params")
         self.spec = ADVANTAGE_ESTIMATORS[self.p.estimator]
         self._check_io(cfg.inputs, cfg.outputs, path)
+        per_step = cfg.scope == "step"
         if self.spec.needs_groups:
-            _check_groups(topology, self.p.estimator)
+            _check_groups(topology, self.p.estimator, per_step)
         if self.p.dynamic_sampling:
             _check_sample_mask_consumed(topology, path)
         self.k = topology.run.max_offpolicy_steps
-        self.n_mb = topology.run.micro_batches
+        # Calls per step: one per micro-batch, or one with the whole step (scope: step).
+        self.n_mb = 1 if per_step else topology.run.micro_batches
         # The estimator's own options, read from the params (every option of every
         # estimator is an AdvantageParams field; see test_estimator_table).
         self.options = {key: getattr(self.p, key) for key in self.spec.options}
@@ -342,8 +349,9 @@ def _check_sample_mask_consumed(topo: Topology, path: str) -> None:
         )
 
 
-def _check_groups(topo: Topology, estimator: str) -> None:
-    """Group estimators: all n samples of a prompt in one micro-batch, n >= 2."""
+def _check_groups(topo: Topology, estimator: str, per_step: bool) -> None:
+    """Group estimators: all n samples of a prompt in one call (micro-batch, or the step
+    with scope: step), n >= 2."""
     if topo.data.source != GROUP_SOURCE:
         return  # another source provides group_index; the estimator checks groups at run time
     n = topo.data.options.get("samples_per_prompt", 1)
@@ -353,7 +361,7 @@ def _check_groups(topo: Topology, estimator: str) -> None:
             f"estimator {estimator!r} compares the samples of a prompt: needs >= 2, got {n!r}",
         )
     mb = topo.run.micro_batch
-    if mb % n:
+    if mb % n and not per_step:
         ok = [m for m in range(n, topo.run.step_batch + 1, n) if topo.run.step_batch % m == 0]
         raise ConfigError(
             "run.micro_batch",

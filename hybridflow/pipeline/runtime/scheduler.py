@@ -115,6 +115,11 @@ class _Step:
     compute: dict[str, float] = field(default_factory=dict)
     head_versions: list[int] = field(default_factory=list)
     ops_left: int = 0
+    # step op -> padded trailing shape of a ragged input it received -> each micro-batch's
+    # own trailing shape (None: two inputs padded to that shape disagree per micro-batch)
+    ragged: dict[int, dict[tuple[int, ...], list[tuple[int, ...]] | None]] = field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         self.next_mb = [0] * self.n_ops
@@ -329,23 +334,57 @@ class Scheduler:
                 elif from_step:
                     out[name] = st.step_values[name]
                 else:
-                    out[name] = concat_rows([v[name] for v in st.mb_values])
+                    parts = [v[name] for v in st.mb_values]
+                    out[name] = concat_rows(parts)
+                    self._note_ragged(st, op.index, parts, tuple(out[name].shape[1:]))
             elif from_step:
                 out[name] = self._slice_step_value(st, name, m)
             else:
                 out[name] = st.mb_values[m][name]
         return out
 
+    @staticmethod
+    def _note_ragged(
+        st: _Step, j: int, parts: list[torch.Tensor], padded: tuple[int, ...]
+    ) -> None:
+        shapes = [tuple(p.shape[1:]) for p in parts]
+        if len(set(shapes)) < 2:
+            return  # not padded: nothing to undo
+        seen = st.ragged.setdefault(j, {})
+        if padded in seen and seen[padded] != shapes:
+            seen[padded] = None  # ambiguous: which width would a slice go back to?
+        else:
+            seen.setdefault(padded, shapes)
+
     def _slice_step_value(self, st: _Step, name: str, m: int) -> torch.Tensor:
+        """Micro-batch m's rows of a step op's value. Where the step op's inputs were
+        padded to a common width (responses of different lengths per micro-batch,
+        concat_rows), an output of that padded trailing shape is cut back to m's own
+        width, so it lines up with m's masks: the inverse of the concatenation."""
         v = st.step_values[name]
+        j = self.plan.producer[name]
         if v.dim() == 0 or v.shape[0] % st.n_mb:
-            label = self.ops[self.plan.producer[name]].label
             raise PipelineError(
-                f"value {name!r} from step op {label} has shape {list(v.shape)}; a micro-batch "
-                f"op consumes it, so dim 0 must split evenly into {st.n_mb} micro-batches"
+                f"value {name!r} from step op {self.ops[j].label} has shape {list(v.shape)}; a "
+                f"micro-batch op consumes it, so dim 0 must split evenly into {st.n_mb} "
+                "micro-batches"
             )
         rows = v.shape[0] // st.n_mb
-        return v[m * rows : (m + 1) * rows]
+        part = v[m * rows : (m + 1) * rows]
+        padded = tuple(v.shape[1:])
+        seen = st.ragged.get(j, {})
+        if padded not in seen:
+            return part
+        shapes = seen[padded]
+        if shapes is None:
+            raise PipelineError(
+                f"value {name!r} from step op {self.ops[j].label} has the padded shape "
+                f"{list(padded)} of two of its inputs whose micro-batch widths differ; "
+                "cannot tell which width micro-batch ops expect"
+            )
+        for d, width in enumerate(shapes[m], start=1):
+            part = part.narrow(d, 0, width)
+        return part
 
     # -- completion ----------------------------------------------------------------------
     def task_info(self, task_id: int) -> tuple[int, int, PlannedOp] | None:
