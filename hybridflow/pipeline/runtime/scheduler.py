@@ -344,9 +344,7 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _note_ragged(
-        st: _Step, j: int, parts: list[torch.Tensor], padded: tuple[int, ...]
-    ) -> None:
+    def _note_ragged(st: _Step, j: int, parts: list[torch.Tensor], padded: tuple[int, ...]) -> None:
         shapes = [tuple(p.shape[1:]) for p in parts]
         if len(set(shapes)) < 2:
             return  # not padded: nothing to undo
