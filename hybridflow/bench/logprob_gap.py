@@ -10,6 +10,8 @@ same tokens (the [prompt | response] batch layout of stages/common.py). Settings
   bf16_engine_autocast_actor  bfloat16 engine vs float32 actor under bf16 autocast (the
                             grpo-gpu preset: rollout dtype bfloat16, actor autocast_bf16)
   bf16_engine_bf16_actor    bfloat16 engine vs bfloat16 actor weights
+  ..._fp32_head             the two bf16 settings again with `fp32_lm_head` in engine and
+                            actor (models/heads.py: the output head computed in float32)
 
 JSON: {"bench": "logprob_gap", "model", "device", "vocab_size", "tokens" (real response
 tokens of the fp32 setting), "settings": {name: {"max_abs", "mean_abs", "tokens"} or
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.models.heads import use_fp32_head
 from hybridflow.models.loader import ModelOptions, load_model, load_tokenizer
 from hybridflow.stages.common import chunked_no_grad, response_logprobs
 from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
@@ -132,11 +135,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {"fp32": _gap(*rollout(fp32), fp32, False)}
     why = _bf16_ok(device)
     names = ("bf16_engine_autocast_actor", "bf16_engine_bf16_actor")
+    names += tuple(f"{n}_fp32_head" for n in names)
     if why is None:
-        bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
-        batch, logprobs = rollout(bf16)  # one bf16 rollout, scored by both actors
-        settings[names[0]] = _gap(batch, logprobs, fp32, True)
-        settings[names[1]] = _gap(batch, logprobs, bf16, False)
+        for head in ("", "_fp32_head"):
+            actor = copy.deepcopy(fp32)
+            bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+            if head:
+                use_fp32_head(actor, "causal_lm")
+                use_fp32_head(bf16, "causal_lm")
+            batch, logprobs = rollout(bf16)  # one bf16 rollout, scored by both actors
+            settings[f"{names[0]}{head}"] = _gap(batch, logprobs, actor, True)
+            settings[f"{names[1]}{head}"] = _gap(batch, logprobs, bf16, False)
     else:
         settings.update({n: {"skipped": why} for n in names})
     return {

@@ -65,6 +65,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="async: also measure through AsyncEngine (graphs mode)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fp32-lm-head", action="store_true", help="the output head in float32 (models/heads.py)"
+    )
     return p.parse_args(argv)
 
 
@@ -86,6 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype=dtype,  # type: ignore[arg-type]
         init_device="device",
         model_overrides=overrides,
+        fp32_lm_head=bool(getattr(args, "fp32_lm_head", False)),
     )
     t0 = time.perf_counter()
     model = load_model(opts, tokenizer, device=device, seed=args.seed)
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "vocab_size": model.config.vocab_size,
         "dtype": dtype,
+        "fp32_lm_head": opts.fp32_lm_head,
         "prompt_len": args.prompt_len,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,

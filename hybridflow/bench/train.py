@@ -54,6 +54,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--fp32-lm-head", action="store_true", help="the LM head in float32")
     p.add_argument("--vocab-size", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -97,6 +98,7 @@ def _rank(rank: int, world: int, init: str, cfg: dict[str, Any], out: str) -> No
         "fsdp_reduce_dtype": cfg["reduce_dtype"],
         "fsdp_cpu_offload": args.cpu_offload,
         "gradient_checkpointing": args.gradient_checkpointing,
+        "fp32_lm_head": bool(getattr(args, "fp32_lm_head", False)),
     }
     if cfg["param_dtype"]:
         options["fsdp_param_dtype"] = cfg["param_dtype"]
@@ -206,6 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "response_len": args.response_len,
         "gradient_checkpointing": args.gradient_checkpointing,
         "cpu_offload": args.cpu_offload,
+        "fp32_lm_head": bool(getattr(args, "fp32_lm_head", False)),
         "torch": torch.__version__,
         "results": [
             measure(args, n, rd) for n in counts for rd in args.reduce_dtypes.split(",") if rd

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 
 from hybridflow.errors import ConfigError
+from hybridflow.models.heads import use_fp32_head
 from hybridflow.models.presets import DROPOUT_KEYS, PRESETS, check_overrides, preset_config
 from hybridflow.models.tokenizer import builtin_tokenizer
 
@@ -54,6 +55,9 @@ class ModelOptions:
     # loses updates smaller than bf16's resolution; this does not.
     autocast_bf16: bool = False
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # The output head (lm_head; a critic's or reward model's score head) in float32 even
+    # under bf16: rollout and trainer log-probs then differ by less (models/heads.py).
+    fp32_lm_head: bool = False
     model_overrides: dict[str, Any] = field(default_factory=dict)  # preset config fields
 
     def validate(self, path: str) -> None:
@@ -220,6 +224,8 @@ def load_model(
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    if opts.fp32_lm_head:
+        use_fp32_head(model, kind, f"{path}.fp32_lm_head")
     if opts.autocast_bf16 and device.type != "meta":
         # Wrapping this instance's forward covers every caller (roles, generate, ...).
         model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)

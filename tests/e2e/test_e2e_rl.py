@@ -200,3 +200,28 @@ def test_ppo_with_step_wide_advantages_whitens_over_the_whole_step(tmp_path):
     coefs = [row["actor/kl_coef"] for row in res.metrics]
     assert len(set(coefs)) == len(coefs), coefs  # adaptive: a new value every step
     assert all(math.isfinite(row["actor/pg_loss"]) for row in res.metrics)
+
+
+def test_grpo_with_fp32_lm_heads_in_a_bf16_rollout_and_the_actor(tmp_path):
+    """`fp32_lm_head` through the config: the native rollout (bf16 weights) and the actor
+    swap their heads for float32 ones over the same parameters, so the actor's reshard
+    still fills the rollout by name and a step trains."""
+    run_dir = tmp_path / "grpo-fp32-head"
+    topo = preset(
+        "grpo",
+        run_dir,
+        "run.steps=2",
+        "run.step_batch=32",
+        "run.micro_batch=16",
+        "metrics.backends=[jsonl]",
+        "stages.engine.roles.rollout.backend=native",
+        "stages.engine.roles.rollout.options.max_prompt_len=64",
+        "stages.engine.roles.rollout.options.dtype=bfloat16",
+        "stages.engine.roles.rollout.options.fp32_lm_head=true",
+        "stages.engine.roles.actor.options.fp32_lm_head=true",
+        "stages.engine.roles.reference.options.fp32_lm_head=true",
+    )
+    run_topology(topo)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in rows)
