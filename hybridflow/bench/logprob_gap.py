@@ -13,7 +13,13 @@ same tokens (the [prompt | response] batch layout of stages/common.py). Settings
   ..._fp32_head             the two bf16 settings again with `fp32_lm_head` in engine and
                             actor (models/heads.py: the output head computed in float32)
 
-JSON: {"bench": "logprob_gap", "model", "device", "vocab_size", "tokens" (real response
+A random-init model's logits are small (std ~0.6 for qwen2-0.5b), so rounding them to
+bf16 costs little, unlike a trained model's (std of several units, peaks of 20-30), where
+the output head's rounding becomes a visible part of the gap. --logit-scale S multiplies
+the final norm's weight by S (it feeds only the head), giving logits S times the spread;
+`logit_std` reports the spread over the prompts' positions (fp32 model).
+
+JSON: {"bench": "logprob_gap", "logit_scale", "logit_std", "model", "device", "vocab_size", "tokens" (real response
 tokens of the fp32 setting), "settings": {name: {"max_abs", "mean_abs", "tokens"} or
 {"skipped": why}}}; max_abs / mean_abs are |rollout - actor| over response_mask = 1.
 """
@@ -46,6 +52,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="", help="default: cuda if available, else cpu")
     p.add_argument("--seqs", type=int, default=DEFAULTS["seqs"])
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"])
+    p.add_argument(
+        "--logit-scale",
+        type=float,
+        default=1.0,
+        help="multiply the final norm's weight: a trained model's logit spread (see doc)",
+    )
     return p.parse_args(argv)
 
 
@@ -121,10 +133,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {"vocab_size": vocab} if vocab else {}
     opts = ModelOptions(model=model_name, tokenizer="builtin", model_overrides=overrides)
     fp32 = load_model(opts, tokenizer, device=device, seed=0).requires_grad_(False)
+    scale = float(getattr(args, "logit_scale", 1.0) or 1.0)
+    fp32.model.norm.weight.mul_(scale)
     v = fp32.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(4, 17, (seqs,), generator=gen)
     prompts = [torch.randint(2, v, (int(n),), generator=gen) for n in lengths]
+    with torch.no_grad():
+        logit_std = float(fp32(input_ids=prompts[0][None].to(device)).logits.float().std())
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def rollout(engine_model: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -153,6 +169,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": model_name,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "vocab_size": v,
+        "logit_scale": scale,
+        "logit_std": round(logit_std, 3),
         "tokens": settings["fp32"]["tokens"],
         "settings": settings,
     }
