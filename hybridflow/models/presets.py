@@ -23,7 +23,7 @@ from hybridflow.errors import ConfigError
 
 @dataclass(frozen=True)
 class Preset:
-    arch: str  # "qwen2" | "llama"
+    arch: str  # "qwen2" | "llama" | "qwen3"
     description: str
     shape: dict[str, Any] = field(default_factory=dict)
     vocab_size: int | None = None  # None: the tokenizer's size (tiny presets)
@@ -40,9 +40,15 @@ _TINY = dict(
     tie_word_embeddings=True,
 )
 
+# Qwen3 sets head_dim apart from hidden_size / heads (128 in the released models).
+_TINY_QWEN3 = {**_TINY, "head_dim": 32}
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset("qwen2", "Qwen2-shaped, 2 layers, hidden 64 (~0.1M params): CPU tests", _TINY),
     "tiny-llama": Preset("llama", "Llama-shaped twin of `tiny`", _TINY),
+    "tiny-qwen3": Preset(
+        "qwen3", "Qwen3-shaped twin of `tiny` (per-head q/k RMSNorm, head_dim 32)", _TINY_QWEN3
+    ),
     # vLLM's CPU attention kernel rejects head_dim 16; this one is what vLLM-on-CPU runs.
     "tiny-vllm": Preset(
         "qwen2",
@@ -109,6 +115,41 @@ PRESETS: dict[str, Preset] = {
             tie_word_embeddings=False,
         ),
         vocab_size=152064,
+    ),
+    # Qwen3 (released config.json files): q/k RMSNorm per head, no qkv bias, head_dim 128.
+    "qwen3-0.6b": Preset(
+        "qwen3",
+        "Qwen3-0.6B shape (596M params), random init: GPU benchmarks",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+        vocab_size=151936,
+    ),
+    "qwen3-1.7b": Preset(
+        "qwen3",
+        "Qwen3-1.7B shape (1.7B params), random init: GPU benchmarks",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+        vocab_size=151936,
     ),
 }
 
@@ -204,10 +245,10 @@ def preset_config(
     `overrides` replace config fields (e.g. `num_hidden_layers`); unknown field names
     raise ConfigError rather than silently becoming inert config attributes.
     """
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     preset = get_preset(name, path)
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[preset.arch]
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}[preset.arch]
     kwargs: dict[str, Any] = dict(preset.shape)
     if preset.vocab_size is None:
         kwargs["vocab_size"] = vocab_size

@@ -225,3 +225,26 @@ def test_grpo_with_fp32_lm_heads_in_a_bf16_rollout_and_the_actor(tmp_path):
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
     assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in rows)
+
+
+def test_grpo_on_qwen3_shaped_models_with_the_native_engine(tmp_path):
+    """Qwen3's layout (per-head q/k norms, head_dim apart from hidden / heads) through the
+    whole loop: the native rollout decodes it, the actor trains it, and the reshard's
+    completeness check sees every parameter arrive in the rollout (q_norm, k_norm too)."""
+    run_dir = tmp_path / "grpo-qwen3"
+    roles = ("rollout", "actor", "reference")
+    topo = preset(
+        "grpo",
+        run_dir,
+        "run.steps=2",
+        "run.step_batch=32",
+        "run.micro_batch=16",
+        "metrics.backends=[jsonl]",
+        "stages.engine.roles.rollout.backend=native",
+        "stages.engine.roles.rollout.options.max_prompt_len=64",
+        *(f"stages.engine.roles.{r}.options.model=tiny-qwen3" for r in roles),
+    )
+    run_topology(topo)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in rows)

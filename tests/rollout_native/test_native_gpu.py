@@ -16,9 +16,9 @@ pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 
 
-@pytest.fixture(scope="module")
-def cuda_model(tokenizer: Any) -> Any:
-    return build(tokenizer, "tiny", device="cuda")
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3"])
+def cuda_model(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
+    return build(tokenizer, request.param, device="cuda")
 
 
 def _requests() -> list[Request]:

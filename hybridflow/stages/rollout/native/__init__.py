@@ -1,4 +1,4 @@
-"""The `native` rollout engine: plain-torch generation over a transformers Qwen2/Llama
+"""The `native` rollout engine: plain-torch generation over a transformers Qwen2/Qwen3/Llama
 model's own modules, with continuous batching, a slot KV cache and CUDA-graph decode.
 
     role.NativeRollout      the rollout backend (ops: generate [async], load_weights,

@@ -1,6 +1,7 @@
-"""Forward passes of a transformers Qwen2 / Llama causal LM over the native engine's slot
-KV cache, built from the model's OWN modules: embedding, RMSNorms, q/k/v/o projections
-(with Qwen2's qkv bias), MLP, final norm, lm_head and the rotary embedding. Nothing is
+"""Forward passes of a transformers Qwen2 / Qwen3 / Llama causal LM over the native engine's
+slot KV cache, built from the model's OWN modules: embedding, RMSNorms, q/k/v/o
+projections (with Qwen2's qkv bias), Qwen3's per-head q/k RMSNorms (applied before RoPE,
+as its attention does), MLP, final norm, lm_head and the rotary embedding. Nothing is
 translated or copied, so a weight written into the HF model (or aliased from the actor) is
 what the next step computes with; only attention-with-cache is written here.
 
@@ -16,7 +17,7 @@ into its slot at its position.
 Invariants: positions start at 0 at a prompt's first real token (as `cumsum(mask) - 1` in
 the other backends); a slot's cache is valid at positions < the row's current position,
 and anything beyond (prefill padding, stale rows) is masked before it is read and
-overwritten before it is unmasked. Only full-attention Qwen2/Llama layers are accepted.
+overwritten before it is unmasked. Only full-attention layers are accepted.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ import torch.nn.functional as F
 
 from hybridflow.errors import ConfigError
 
-SUPPORTED_ARCHS = ("qwen2", "llama")
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama")
 
 
 def check_supported(model: Any, path: str) -> None:
-    """ConfigError naming `{path}.model` unless `model` is a Qwen2/Llama causal LM whose
+    """ConfigError naming `{path}.model` unless `model` is a Qwen2/Qwen3/Llama causal LM whose
     layers this engine computes exactly."""
     cfg = getattr(model, "config", None)
     arch = getattr(cfg, "model_type", None)
@@ -41,7 +42,7 @@ def check_supported(model: Any, path: str) -> None:
     if arch not in SUPPORTED_ARCHS:
         raise ConfigError(
             where,
-            f"the native rollout engine runs {' and '.join(SUPPORTED_ARCHS)} causal LMs; "
+            f"the native rollout engine runs {', '.join(SUPPORTED_ARCHS)} causal LMs; "
             f"this model is {arch!r} ({type(model).__name__}); use the hf backend for it",
         )
     body = getattr(model, "model", None)
@@ -75,6 +76,11 @@ class NativeModel:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = self.layers[0].self_attn.head_dim
         self.groups = self.num_heads // self.num_kv_heads
+        # Qwen3 normalises each head's q and k (over head_dim) before RoPE; others do not.
+        self.qk_norms = [
+            (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None))
+            for layer in self.layers
+        ]
         self.vocab = self.lm_head.out_features
         self.max_len = max_len
         self.device = self.embed.weight.device
@@ -88,6 +94,17 @@ class NativeModel:
             probe = torch.zeros(1, device=self.device, dtype=self.embed.weight.dtype)
             cos, sin = body.rotary_emb(probe, self.cols[None, :])
         self.cos, self.sin = cos[0], sin[0]  # [L, D]
+
+    def _qk_norm(
+        self, i: int, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's per-head q/k norms (Qwen3; the last dim is head_dim in every view)."""
+        q_norm, k_norm = self.qk_norms[i]
+        if q_norm is not None:
+            q = q_norm(q)
+        if k_norm is not None:
+            k = k_norm(k)
+        return q, k
 
     def _ctx(self) -> Any:
         if self.autocast:
@@ -112,8 +129,10 @@ class NativeModel:
             for i, layer in enumerate(self.layers):
                 attn = layer.self_attn
                 h = layer.input_layernorm(x)
-                q = _rope(attn.q_proj(h).view(u, p, self.num_heads, self.head_dim), cos, sin)
-                k = _rope(attn.k_proj(h).view(u, p, self.num_kv_heads, self.head_dim), cos, sin)
+                q = attn.q_proj(h).view(u, p, self.num_heads, self.head_dim)
+                k = attn.k_proj(h).view(u, p, self.num_kv_heads, self.head_dim)
+                q, k = self._qk_norm(i, q, k)
+                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
                 v = attn.v_proj(h).view(u, p, self.num_kv_heads, self.head_dim)
                 kv[i, 0][where] = k[group].to(self.dtype)
                 kv[i, 1][where] = v[group].to(self.dtype)
@@ -155,6 +174,7 @@ class NativeModel:
                 q = attn.q_proj(h).view(b, self.num_kv_heads, self.groups, self.head_dim)
                 k = attn.k_proj(h).view(b, self.num_kv_heads, self.head_dim)
                 v = attn.v_proj(h).view(b, self.num_kv_heads, self.head_dim)
+                q, k = self._qk_norm(i, q, k)
                 q, k = _rope(q, cq, sq), _rope(k, ck, sk)
                 kc, vc = kv[i, 0, :b], kv[i, 1, :b]  # [B, Hkv, L, D] views of the cache
                 kc[rows, :, positions] = k.to(self.dtype)
