@@ -68,6 +68,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fp32-lm-head", action="store_true", help="the output head in float32 (models/heads.py)"
     )
+    p.add_argument(
+        "--decode-lengths",
+        default="",
+        help="attention length buckets, comma-separated (default 64,128,...; a value >= "
+        "prompt + new tokens: whole slots)",
+    )
     return p.parse_args(argv)
 
 
@@ -138,6 +144,9 @@ def _measure(
         cuda_graphs=graphs,
         graph_batch_sizes=(n,),  # ignore-EOS rows all finish together: one bucket is used
         max_prefill_tokens=max(8192, n * args.prompt_len),
+        decode_lengths=tuple(
+            int(x) for x in str(getattr(args, "decode_lengths", "") or "").split(",") if x
+        ),
     )
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -199,6 +208,7 @@ def _measure(
         "wall_s": round(wall, 3),
         "capture_s": round(engine.stats["capture_s"], 3),
         "kv_cache_gb": round(engine.cache.nbytes / GIB, 4),
+        "decode_lengths": engine.lengths,
     }
     if device.type == "cuda":
         result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 3)

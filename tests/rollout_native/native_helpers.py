@@ -23,7 +23,11 @@ def build(tokenizer: Any, preset: str = "tiny", device: str = "cpu", **kw: Any) 
 
 
 def engine(model: Any, **kw: Any) -> NativeEngine:
-    config = EngineConfig(**{"max_model_len": 64, "kv_cache_gb": 0.05, **kw})
+    """Slots of 64 positions; decode steps attend to 16, 32 or 64 of them (length buckets
+    small enough that every test's rows cross from one to the next)."""
+    config = EngineConfig(
+        **{"max_model_len": 64, "kv_cache_gb": 0.05, "decode_lengths": (16, 32), **kw}
+    )
     return NativeEngine(model, config)
 
 

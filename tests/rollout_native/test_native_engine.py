@@ -59,6 +59,20 @@ def test_sampled_logprobs_equal_the_hf_recomputation(model: Any) -> None:
     assert not torch.equal(out.tokens[0], out.tokens[1])  # n samples of a prompt differ
 
 
+def test_length_buckets_read_less_and_change_nothing(model: Any) -> None:
+    """Decode attention over the smallest length bucket that holds every row's position
+    gives the tokens and log-probs of attending to whole slots, reading fewer positions."""
+    reqs = [Request(prompts(k, seed=20 + k), GREEDY, seed=0) for k in (3, 2)]
+    whole = engine(model, decode_lengths=(64,))
+    bucketed = engine(model)
+    assert whole.lengths == [64] and bucketed.lengths == [16, 32, 64]
+    for a, b in zip(run_all(whole, reqs), run_all(bucketed, reqs), strict=True):
+        assert torch.equal(a.tokens, b.tokens)
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-6)
+    assert bucketed.stats["attended_positions"] < whole.stats["attended_positions"]
+    assert whole.stats["attended_positions"] == 64 * whole.stats["decode_tokens"]
+
+
 def test_continuous_batching_equals_each_request_alone(qwen: Any) -> None:
     reqs = [Request(prompts(k, seed=10 + k), GREEDY, seed=0) for k in (3, 1, 4, 2)]
     alone = [run_all(engine(qwen), [r])[0].tokens for r in reqs]

@@ -17,18 +17,25 @@ def test_rows_stay_dense_and_every_request_completes_once() -> None:
         finished: list[tuple[int, int]] = []
         completed: list[int] = []
         where: dict[int, tuple[int, int]] = {}  # slot -> row, mirrored through the moves
+        start: dict[tuple[int, int], int] = {}  # row -> prompt length - admission tick
+        lens_of: dict[int, list[int]] = {}
         next_id = 0
-        for _ in range(200):
+        for tick in range(200):
             if rng.random() < 0.3 and next_id < 12:
                 lens = [rng.randint(1, 8) for _ in range(rng.randint(1, 3))]
                 n = rng.randint(1, 3)
                 s.add(next_id, lens, n)
+                lens_of[next_id] = lens
                 expected[next_id] = len(lens) * n
                 next_id += 1
-            adm = s.admit(max_prefill_tokens=rng.randint(1, 20))
+            adm = s.admit(max_prefill_tokens=rng.randint(1, 20), tick=tick)
             for ref, slot in zip(adm.rows, adm.slots, strict=True):
                 assert slot not in where
                 where[slot] = (ref.request_id, ref.row)
+                start[(ref.request_id, ref.row)] = lens_of[ref.request_id][ref.prompt] - tick
+            # The decode step `tick` writes row r at P + tick - t0: it must read one more.
+            want = max((start[r] + tick + 1 for r in where.values()), default=0)
+            assert s.attended(tick) == want
             assert all(
                 adm.prompts[g] == (r.request_id, r.prompt)
                 for r, g in zip(adm.rows, adm.group, strict=True)

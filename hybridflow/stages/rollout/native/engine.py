@@ -4,8 +4,10 @@
     step() -> [RequestOutput]         1. admit queued rows into free slots and prefill them
                                          (batched; n samples share one prompt prefill),
                                          which samples their first token;
-                                      2. one decode step for every live row (a CUDA graph
-                                         of the smallest bucket >= rows on GPU, eager on CPU);
+                                      2. one decode step for every live row, attending to
+                                         the smallest length bucket that holds every row's
+                                         position (a CUDA graph of the smallest batch and
+                                         length buckets on GPU, eager on CPU);
                                       3. retire rows that hit a stop token or max_new_tokens,
                                          compact the slots, return every request whose rows
                                          are all done.
@@ -29,7 +31,12 @@ from typing import Any
 import torch
 
 from hybridflow.errors import BatchError, ConfigError
-from hybridflow.stages.rollout.native.graphs import DecodeGraphs, default_buckets
+from hybridflow.stages.rollout.native.graphs import (
+    DecodeGraphs,
+    default_buckets,
+    default_lengths,
+    pick,
+)
 from hybridflow.stages.rollout.native.kv_cache import SlotCache, round_up
 from hybridflow.stages.rollout.native.model import NativeModel
 from hybridflow.stages.rollout.native.request import Request, RequestOutput
@@ -44,6 +51,9 @@ class EngineConfig:
     max_num_seqs: int = 256  # most sequences decoded together (slots are capped by this)
     cuda_graphs: bool = True  # capture decode steps on CUDA (ignored on CPU)
     graph_batch_sizes: tuple[int, ...] = ()  # buckets; () = graphs.default_buckets
+    # attention lengths decode steps run at; () = graphs.default_lengths (64, 128, ...);
+    # one length >= the slot's turns length buckets off (every step reads whole slots)
+    decode_lengths: tuple[int, ...] = ()
     max_prefill_tokens: int = 8192  # unique prompts x longest prompt per prefill batch
     max_stop_ids: int = 8  # stop ids per request (a static buffer width)
     autocast_bf16: bool = False  # run the float32 model under bf16 autocast
@@ -78,11 +88,18 @@ class NativeEngine:
         )
         self.num_slots = self.cache.num_slots
         self.scheduler = Scheduler(self.num_slots)
+        slot_len = self.cache.max_len
+        self.lengths = (
+            sorted({min(n, slot_len) for n in config.decode_lengths} | {slot_len})
+            if config.decode_lengths
+            else default_lengths(slot_len)
+        )
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
             buckets = [b for b in config.graph_batch_sizes if b <= self.num_slots]
             self.graphs = DecodeGraphs(
                 sorted({*buckets, self.num_slots}) if buckets else default_buckets(self.num_slots),
+                self.lengths,
                 self._forward,
                 self._sample,
                 self.device,
@@ -90,8 +107,15 @@ class NativeEngine:
         self._live: dict[int, _Live] = {}
         self._ids = itertools.count()
         self._truncating = 0  # live rows that need the top-k/top-p sampling path
+        self._tick = 0  # decode steps so far (the scheduler's clock for attended lengths)
         self.logits: torch.Tensor | None = None  # [S, V] float32, the decode step's output
-        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_rows": 0, "capture_s": 0.0}
+        self.stats = {
+            "steps": 0,
+            "decode_tokens": 0,
+            "prefill_rows": 0,
+            "capture_s": 0.0,
+            "attended_positions": 0,  # sum over steps of rows x length bucket read
+        }
         self.allocate()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -200,12 +224,15 @@ class NativeEngine:
         if b == 0:
             return outputs
         truncate = self._truncating > 0
+        n = pick(self.lengths, self.scheduler.attended(self._tick), "positions")
         if self.graphs is not None:
-            self.graphs.replay(b, truncate)
+            self.graphs.replay(b, n, truncate)
         else:
-            self._forward(b)
+            self._forward(b, n)
             self._sample(b, truncate)
+        self.stats["attended_positions"] += b * n
         self.stats["steps"] += 1
+        self._tick += 1
         self.stats["decode_tokens"] += b
         done = self.cache.done[:b].cpu()  # the one host sync of a step
         if bool(done.any()):
@@ -213,10 +240,10 @@ class NativeEngine:
         return outputs
 
     # -- the step's parts ----------------------------------------------------------------
-    def _forward(self, b: int) -> None:
+    def _forward(self, b: int, n: int) -> None:
         c = self.cache
         assert self.logits is not None and c.kv is not None
-        logits = self.model.decode(c.tokens[:b], c.positions[:b], c.rows[:b], c.kv)
+        logits = self.model.decode(c.tokens[:b], c.positions[:b], c.rows[:b], c.kv, n)
         self.logits[:b].copy_(logits)
 
     def _sample(self, b: int, truncate: bool) -> None:
@@ -227,7 +254,7 @@ class NativeEngine:
         c.record(c.rows[:b], tok, lp)
 
     def _prefill(self) -> list[RequestOutput]:
-        adm = self.scheduler.admit(self.config.max_prefill_tokens)
+        adm = self.scheduler.admit(self.config.max_prefill_tokens, self._tick)
         if not adm.rows:
             return []
         c, dev = self.cache, self.device
@@ -323,5 +350,7 @@ def check_config(config: EngineConfig, path: str) -> None:
         raise bad("max_num_seqs", f"must be >= 1, got {config.max_num_seqs}")
     if any(b < 1 for b in config.graph_batch_sizes):
         raise bad("graph_batch_sizes", f"must be >= 1, got {list(config.graph_batch_sizes)}")
+    if any(n < 1 for n in config.decode_lengths):
+        raise bad("decode_lengths", f"must be >= 1, got {list(config.decode_lengths)}")
     if config.max_prefill_tokens < 1:
         raise bad("max_prefill_tokens", f"must be >= 1, got {config.max_prefill_tokens}")

@@ -1,12 +1,16 @@
-"""CUDA graphs of the native engine's decode step, one per batch-size bucket.
+"""CUDA graphs of the native engine's decode step, per batch-size and attention-length bucket.
 
 Consumes two step functions that read and write only static buffers (the slot cache and
-a logits buffer): `forward(b)` (the model, rows 0..b-1 -> logits[:b]) and
-`sample(b, truncate)` (sampler + record for rows 0..b-1). Produces, per bucket b, one
-graph of `forward(b)` and two of `sample(b, .)` (without and with top-k/top-p), all in
-one memory pool (they never run concurrently, so they can share it). A batch of B live
-rows replays the smallest bucket >= B; rows B..bucket-1 are padding that write only into
-their own free slots (SlotCache.record clamps them).
+a logits buffer): `forward(b, n)` (the model, rows 0..b-1 attending to the first n cache
+positions -> logits[:b]) and `sample(b, truncate)` (sampler + record for rows 0..b-1).
+Produces, per batch bucket b, one graph of `forward(b, n)` per length bucket n and two of
+`sample(b, .)` (without and with top-k/top-p), all in one memory pool (they never run
+concurrently, so they can share it). A batch of B live rows whose positions are below N
+replays batch bucket >= B and length bucket >= N, the smallest of each; rows B..bucket-1
+are padding that write only into their own free slots (SlotCache.record clamps them).
+Length buckets exist because decode attention costs what it reads: a slot holds
+max_prompt_len + max_new_tokens positions, most of them not written yet for most of a
+rollout, and with many KV heads (Qwen3: 8 x 128) reading them all dominated the step.
 
 Invariants: capture runs eagerly once per function (warm-up), which WRITES the buffers, so
 it only happens while no row is live (at allocation, after wake-up or after parameters
@@ -35,17 +39,37 @@ def default_buckets(max_rows: int) -> list[int]:
     return [*out, max_rows]
 
 
+def default_lengths(max_len: int) -> list[int]:
+    """Attention lengths 64, 128, 256, ... below the slot length, then the slot length:
+    at most 2x the positions a step needs, and one more graph per doubling."""
+    out, n = [], 64
+    while n < max_len:
+        out.append(n)
+        n *= 2
+    return [*out, max_len]
+
+
+def pick(buckets: list[int], n: int, what: str) -> int:
+    """The smallest bucket >= n."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} {what} exceed the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
 class DecodeGraphs:
     def __init__(
         self,
         buckets: list[int],
-        forward: Callable[[int], None],
+        lengths: list[int],
+        forward: Callable[[int, int], None],
         sample: Callable[[int, bool], None],
         device: torch.device,
     ) -> None:
         self.buckets = sorted(set(buckets))
+        self.lengths = sorted(set(lengths))
         self._forward, self._sample, self.device = forward, sample, device
-        self._fwd: dict[int, torch.cuda.CUDAGraph] = {}
+        self._fwd: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._smp: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
 
     @property
@@ -53,10 +77,7 @@ class DecodeGraphs:
         return bool(self._fwd)
 
     def bucket(self, b: int) -> int:
-        i = bisect.bisect_left(self.buckets, b)
-        if i == len(self.buckets):
-            raise ValueError(f"{b} rows exceed the largest graph bucket {self.buckets[-1]}")
-        return self.buckets[i]
+        return pick(self.buckets, b, "rows")
 
     def capture(self) -> float:
         """Capture every bucket (largest first, so smaller ones reuse its pool memory).
@@ -67,7 +88,8 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: cuBLAS handles, kernel choices, allocator
             for b in self.buckets:
-                self._forward(b)
+                for n in self.lengths:
+                    self._forward(b, n)
                 self._sample(b, False)
                 self._sample(b, True)
         torch.cuda.current_stream(self.device).wait_stream(side)
@@ -82,7 +104,8 @@ class DecodeGraphs:
         gc.disable()
         try:
             for b in reversed(self.buckets):
-                self._fwd[b] = self._graph(lambda b=b: self._forward(b), pool)
+                for n in reversed(self.lengths):
+                    self._fwd[(b, n)] = self._graph(lambda b=b, n=n: self._forward(b, n), pool)
                 for truncate in (False, True):
                     self._smp[(b, truncate)] = self._graph(
                         lambda b=b, t=truncate: self._sample(b, t), pool
@@ -92,7 +115,7 @@ class DecodeGraphs:
                 gc.enable()
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        log.info("captured %d decode graphs in %.2f s", len(self._fwd) * 3, seconds)
+        log.info("captured %d decode graphs in %.2f s", len(self._fwd) + len(self._smp), seconds)
         return seconds
 
     def _graph(self, fn: Callable[[], None], pool: object) -> torch.cuda.CUDAGraph:
@@ -104,10 +127,11 @@ class DecodeGraphs:
             fn()
         return graph
 
-    def replay(self, b: int, truncate: bool) -> int:
-        """Run one decode step for b live rows; returns the bucket it ran."""
+    def replay(self, b: int, n: int, truncate: bool) -> int:
+        """Run one decode step for b live rows whose positions are below n; returns the
+        batch bucket it ran."""
         size = self.bucket(b)
-        self._fwd[size].replay()
+        self._fwd[(size, pick(self.lengths, n, "positions"))].replay()
         self._smp[(size, truncate)].replay()
         return size
 

@@ -157,14 +157,19 @@ class NativeModel:
         positions: torch.Tensor,  # [B] int64, where each token sits (its K/V is written there)
         rows: torch.Tensor,  # [B] int64, = arange(B) (a static buffer: no arange per step)
         kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D], S >= B; row b uses slot b
+        length: int | None = None,  # attend to positions < length (> every row's position)
     ) -> torch.Tensor:
-        """One token per row -> logits [B, V]. Shapes are static given B (CUDA-graph safe)."""
+        """One token per row -> logits [B, V]. Shapes are static given B and `length`
+        (CUDA-graph safe). Attention reads the first `length` positions of each slot, not
+        all L: the caller guarantees every live row's position is below it (rows past it
+        are only graph padding, whose output nobody reads)."""
         b = tokens.shape[0]
+        n = kv.shape[4] if length is None else min(length, kv.shape[4])
         cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
         cq, sq = cos[:, None, None, :], sin[:, None, None, :]
         ck, sk = cos[:, None, :], sin[:, None, :]
         # Each row attends to its own slot up to and including its position.
-        mask = (self.cols[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        mask = (self.cols[None, :n] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, n]
         with self._ctx():
             x = self.embed(tokens)  # [B, H]
             for i, layer in enumerate(self.layers):
@@ -180,7 +185,7 @@ class NativeModel:
                 kc[rows, :, positions] = k.to(self.dtype)
                 vc[rows, :, positions] = v.to(self.dtype)
                 o = F.scaled_dot_product_attention(
-                    q.to(self.dtype), kc, vc, attn_mask=mask, scale=attn.scaling
+                    q.to(self.dtype), kc[:, :, :n], vc[:, :, :n], attn_mask=mask, scale=attn.scaling
                 )  # [B, Hkv, G, D]
                 x = x + attn.o_proj(o.reshape(b, -1))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -62,6 +62,9 @@ class NativeRolloutOptions(HFRolloutOptions):
     max_num_seqs: int = 256  # most sequences decoded together
     cuda_graphs: bool = True  # CUDA-graph decode steps (GPU only; CPU always runs eager)
     graph_batch_sizes: list[int] = field(default_factory=list)  # [] = default buckets
+    # attention lengths of decode steps ([] = 64, 128, ... up to the slot's; one value
+    # >= max_prompt_len + max_new_tokens makes every step read whole slots)
+    decode_lengths: list[int] = field(default_factory=list)
     max_prefill_tokens: int = 8192  # prompts x longest prompt per prefill batch
     release_cache_on_sleep: bool = True  # sleep frees the KV cache (colocated training)
     alias_weights: bool = False  # share the actor's tensors when dtype/device match
@@ -80,6 +83,8 @@ class NativeRolloutOptions(HFRolloutOptions):
             raise bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         if any(b < 1 for b in self.graph_batch_sizes):
             raise bad("graph_batch_sizes", f"must all be >= 1, got {self.graph_batch_sizes}")
+        if any(n < 1 for n in self.decode_lengths):
+            raise bad("decode_lengths", f"must all be >= 1, got {self.decode_lengths}")
         if self.max_prefill_tokens < 1:
             raise bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
 
@@ -132,6 +137,7 @@ class NativeRollout(RolloutState, RoleBase):
             max_num_seqs=opts.max_num_seqs,
             cuda_graphs=opts.cuda_graphs,
             graph_batch_sizes=tuple(opts.graph_batch_sizes),
+            decode_lengths=tuple(opts.decode_lengths),
             max_prefill_tokens=opts.max_prefill_tokens,
             max_stop_ids=max(1, len(self.eos_ids)),
             autocast_bf16=opts.autocast_bf16,

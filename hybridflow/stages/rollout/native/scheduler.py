@@ -4,7 +4,8 @@ moves the tensors itself.
 
 Consumes: `add` (a request's rows and prompt lengths), `admit` (free slots -> rows to
 prefill now), `finish` (slots whose row stopped). Produces: slot assignments for admitted
-rows, the slot moves that keep the running batch dense, and the requests that completed.
+rows, the slot moves that keep the running batch dense, the requests that completed, and
+`attended(tick)`: how many cache positions a decode step must read, without a device sync.
 
 Invariants (tests replay random finish orders against them):
   - the running rows occupy slots 0 .. active-1, no holes: a decode step reads the first
@@ -14,7 +15,10 @@ Invariants (tests replay random finish orders against them):
     admission's prefill work (unique prompts x longest prompt) stays within the budget,
     except that one prompt is always admitted so a long prompt cannot starve;
   - every added row is admitted once and finished once; a request completes exactly when
-    its last row finishes.
+    its last row finishes;
+  - `attended(tick)` >= 1 + the position every running row writes at in the decode step
+    numbered `tick` (a row admitted at tick t0 with a prompt of P tokens writes at
+    P + tick - t0; a row that stopped early only makes the bound loose, never short).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Scheduler:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self.slots: list[RowRef] = []  # slots[s] = the row in slot s; len = active rows
+        self.offsets: list[int] = []  # offsets[s] = prompt length - admission tick
         self.pending: deque[RowRef] = deque()
         self._prompt_len: dict[tuple[int, int], int] = {}
         self._left: dict[int, int] = {}  # request id -> rows not finished yet
@@ -84,8 +89,9 @@ class Scheduler:
                 self.pending.append(RowRef(request_id, p * n + j, p))
         self._left[request_id] = len(prompt_lens) * n
 
-    def admit(self, max_prefill_tokens: int) -> Admission:
-        """Move pending rows into free slots (FIFO) within the prefill budget."""
+    def admit(self, max_prefill_tokens: int, tick: int = 0) -> Admission:
+        """Move pending rows into free slots (FIFO) within the prefill budget; `tick` is
+        the number of the decode step that follows this prefill."""
         adm = Admission()
         index: dict[tuple[int, int], int] = {}
         while self.pending and self.free > 0:
@@ -103,7 +109,13 @@ class Scheduler:
             adm.group.append(index[key])
             adm.slots.append(len(self.slots))
             self.slots.append(ref)
+            self.offsets.append(self._prompt_len[key] - tick)
         return adm
+
+    def attended(self, tick: int) -> int:
+        """Cache positions decode step `tick` reads (0..P+tick-t0 for every row; see the
+        invariants); 0 with no running row."""
+        return max(self.offsets) + tick + 1 if self.offsets else 0
 
     def prompt_len(self, request_id: int, prompt: int) -> int:
         return self._prompt_len[(request_id, prompt)]
@@ -120,7 +132,9 @@ class Scheduler:
         out.moves = list(zip(movers, holes, strict=True))
         for src, dst in out.moves:
             self.slots[dst] = self.slots[src]
+            self.offsets[dst] = self.offsets[src]
         del self.slots[top:]
+        del self.offsets[top:]
         for ref in out.rows:
             self._left[ref.request_id] -= 1
             if self._left[ref.request_id] == 0:
@@ -135,6 +149,7 @@ class Scheduler:
         """Forget every request (after a failed step); returns their ids."""
         ids = sorted(self._left)
         self.slots.clear()
+        self.offsets.clear()
         self.pending.clear()
         self._left.clear()
         self._prompt_len.clear()
