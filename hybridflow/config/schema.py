@@ -24,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +43,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]{0,63}$")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+_HOST = re.compile(r"^[A-Za-z0-9_.:-]*$")
 
 
 def _require(cond: bool, path: str, message: str) -> None:
@@ -167,14 +169,24 @@ class RoleConfig:
 @dataclass(frozen=True)
 class StageConfig:
     """One stage = `replicas` identical OS processes, each hosting every role listed.
-    `devices`: one device for all replicas, or a list with one device per replica."""
+    `devices`: one device for all replicas, or a list with one device per replica.
+    `hosts`: where they run, like `devices` (one for all, or one per replica): "" or this
+    host's name = here; another name = a node of a multi-host launcher (`hybridflow run
+    --launcher ray`: the node started with the resource `hybridflow_host:<name>`, or an
+    IP), which then also owns the check that the devices exist there."""
 
     roles: dict[str, RoleConfig]
     replicas: int = 1
     devices: str | list[str] = "cpu"
+    hosts: str | list[str] = ""
 
     def device_of(self, replica: int) -> str:
         return self.devices if isinstance(self.devices, str) else self.devices[replica]
+
+    def host_of(self, replica: int) -> str:
+        """The replica's host; "" for this one (its own names included)."""
+        host = self.hosts if isinstance(self.hosts, str) else self.hosts[replica]
+        return "" if is_local_host(host) else host
 
     def validate(self, path: str) -> None:
         _at_least(self.replicas, 1, _join(path, "replicas"))
@@ -201,6 +213,20 @@ class StageConfig:
                 _join(path, "devices"),
                 f"lists {len(self.devices)} device(s) for {self.replicas} replica(s); "
                 "give one device per replica or a single device string",
+            )
+        hosts = [self.hosts] if isinstance(self.hosts, str) else self.hosts
+        for i, host in enumerate(hosts):
+            sub = _join(path, "hosts") + ("" if isinstance(self.hosts, str) else f"[{i}]")
+            _require(
+                bool(_HOST.match(host)),
+                sub,
+                f"{host!r} is not a host name (letters, digits, '.', '-', '_', ':')",
+            )
+        if isinstance(self.hosts, list) and len(self.hosts) != self.replicas:
+            raise ConfigError(
+                _join(path, "hosts"),
+                f"lists {len(self.hosts)} host(s) for {self.replicas} replica(s); "
+                "give one host per replica or a single host name",
             )
 
 
@@ -325,6 +351,11 @@ class TransportConfig:
                 f"is {self.protocol!r}, but transport.host {self.host!r} is not loopback: "
                 "ipc sockets stay on this host; set transport.protocol: tcp",
             )
+
+
+def is_local_host(name: str) -> bool:
+    """Whether a stage's `hosts` entry means this machine."""
+    return name in ("", "local", "localhost", "127.0.0.1", socket.gethostname())
 
 
 def is_loopback(host: str) -> bool:

@@ -315,3 +315,26 @@ def test_role_options_are_checked_before_any_process_starts(options, message):
     with pytest.raises(ConfigError) as info:
         build_plan(topo)
     assert str(info.value).startswith(message)
+
+
+def test_stage_hosts_are_checked_and_say_where_each_replica_runs():
+    """`stages.<s>.hosts`: one host for every replica or one per replica; names of this
+    machine mean here; another name is a node, whose GPUs this machine does not count."""
+    import socket
+
+    from hybridflow.pipeline.compiler.plan import build_plan
+
+    data = edit("stages.reward.hosts", ["node1", "node2"])
+    with pytest.raises(ConfigError, match=r"^stages.reward.hosts: lists 2 host\(s\) for 1"):
+        load_topology(data)
+    with pytest.raises(ConfigError, match=r"^stages.reward.hosts: 'node 1' is not a host name"):
+        load_topology(edit("stages.reward.hosts", "node 1"))
+    data = edit("stages.reward.replicas", 2)
+    data["stages"]["reward"] |= {"hosts": ["localhost", "node1"], "devices": ["cpu", "cuda:7"]}
+    data["stages"]["actor"]["hosts"] = socket.gethostname()
+    plan = build_plan(load_topology(data), check_devices=True)  # cuda:7 is node1's
+    assert plan.nodes() == {"reward/1": "node1"}
+    assert [p.host for p in plan.processes] == ["", "", "node1", ""]
+    data["stages"]["reward"]["hosts"] = ["node1", "localhost"]  # cuda:7 here: refused
+    with pytest.raises(ConfigError, match=r"^stages.reward.devices\[1\]: cuda:7 is not avail"):
+        build_plan(load_topology(data), check_devices=True)

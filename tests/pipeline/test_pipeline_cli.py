@@ -101,6 +101,23 @@ def test_validate_names_gpus_that_several_stage_processes_share(capsys):
     assert "shared_gpus" not in json.loads(capsys.readouterr().out)
 
 
+def test_a_host_needs_a_multi_host_launcher(tmp_path, capsys):
+    """`hosts` naming another machine: validate shows it; `run` with the local launcher
+    refuses before any process starts, naming the key."""
+    f = tmp_path / "t.yaml"
+    f.write_text(yaml.safe_dump(small_topology(tmp_path)))
+    assert main(["validate", str(f), "--set", "stages.reward.hosts=node1"]) == 0
+    assert "on host node1" in capsys.readouterr().out
+    assert main(["run", str(f), "--set", "stages.reward.hosts=node1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "hybridflow: error: stages.reward.hosts: puts reward/0 on host 'node1': processes on "
+        "other hosts need a multi-host launcher (hybridflow run --launcher ray); drop the "
+        "host to run here"
+    ]
+    assert main(["run", str(f), "--set", "stages.reward.hosts=localhost"]) == 0
+
+
 def test_bad_config_exits_2_with_one_line(tmp_path, capsys):
     f = tmp_path / "t.yaml"
     f.write_text(yaml.safe_dump(small_topology(tmp_path)))

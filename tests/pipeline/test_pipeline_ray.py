@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,9 +149,29 @@ def test_a_killed_actor_is_a_stage_dead_error_and_nothing_is_left(cluster, tmp_p
 
 
 def test_the_cli_takes_the_ray_launcher(cluster, tmp_path, monkeypatch, capsys):
+    """`hybridflow run --launcher ray` with the YAML's `hosts`: the engine on node0, the
+    reward on node1, as the launcher reports where each process ran."""
     from hybridflow.cli import main
 
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    seen: dict[str, dict[str, str]] = {}
+    stop = RayLauncher.stop
+
+    def spy_stop(self: RayLauncher, timeout: float) -> Any:
+        # Before teardown: the `hybridflow_host:` resource of the node each actor ran on.
+        names = {
+            n["NodeID"]: next(r.split(":", 1)[1] for r in n["Resources"] if "hybridflow_host" in r)
+            for n in ray.nodes()
+            if n["Alive"]
+        }
+        get_node = ray.get_runtime_context
+        seen["hosts"] = {
+            name: names[ray.get(p.actor.__ray_call__.remote(lambda _: get_node().get_node_id()))]
+            for name, p in self._procs.items()
+        }
+        return stop(self, timeout)
+
+    monkeypatch.setattr(RayLauncher, "stop", spy_stop)
     code = main(
         [
             "run",
@@ -167,9 +188,14 @@ def test_the_cli_takes_the_ray_launcher(cluster, tmp_path, monkeypatch, capsys):
             "run.micro_batch=8",
             "--set",
             "metrics.backends=[jsonl]",
+            "--set",
+            "stages.engine.hosts=node0",
+            "--set",
+            "stages.reward.hosts=node1",
         ]
     )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "ray launcher: transport tcp" in out and "1 step(s)" in out
     assert Path(tmp_path, "metrics.jsonl").exists()
+    assert seen["hosts"] == {"engine/0": "node0", "reward/0": "node1"}

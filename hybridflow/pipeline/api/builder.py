@@ -235,7 +235,7 @@ class DataflowBuilder:
         if "actor" not in self._roles:
             raise ConfigError("add_actor", "a job needs an actor (df.add_actor)")
         compiled = self.compile()
-        stages, _ = self._stages(compiled, device_mapping or {}, cuda_count, multi_host)
+        stages = self._stages(compiled, device_mapping or {}, cuda_count, multi_host)
         data = self._data_config(compiled, dataset, log_dir)
         metrics = _metrics_section(metrics_backend)
         if log_level not in LOG_LEVELS:
@@ -264,8 +264,8 @@ class DataflowBuilder:
         overrides: Mapping[str, Any],
         cuda_count: int | None,
         multi_host: bool,
-    ) -> tuple[dict[str, Any], dict[str, str]]:
-        """-> (the Topology's `stages`, process name -> node for processes on other hosts)."""
+    ) -> dict[str, Any]:
+        """-> the Topology's `stages` (with `hosts` where the mappings name other hosts)."""
         options = self._role_options(compiled)
         gpu = _cuda_count() if cuda_count is None else cuda_count
         default = "cuda:0" if gpu else "cpu"
@@ -299,10 +299,9 @@ class DataflowBuilder:
             if runtime == "actor" and "rollout" not in overrides and spec_map_is_default(self):
                 mappings["rollout"] = mapping  # the rollout follows the actor
         slots = {role: normalize(role, m) for role, m in mappings.items()}
-        stages, nodes = {}, {}
+        stages = {}
         for sp in place(slots, cuda_count=gpu, multi_host=multi_host):
             name = "engine" if {"actor", "rollout"} <= set(sp.roles) else sp.name
-            nodes |= {f"{name}/{r}": s.node for r, s in enumerate(sp.slots) if s.node}
             stages[name] = {
                 "replicas": sp.replicas,
                 "devices": sp.devices,
@@ -310,18 +309,9 @@ class DataflowBuilder:
                     r: {"backend": self._roles[r].backend, "options": options[r]} for r in sp.roles
                 },
             }
-        return stages, nodes
-
-    def nodes(
-        self,
-        device_mapping: Mapping[str, Any] | None = None,
-        cuda_count: int | None = None,
-        **_: Any,
-    ) -> dict[str, str]:
-        """Process name ("engine/1") -> host, for processes the mappings put on named
-        hosts; what a multi-host launcher's `assign_nodes` receives before each run."""
-        compiled = self.compile()
-        return self._stages(compiled, device_mapping or {}, cuda_count, True)[1]
+            if any(s.node for s in sp.slots):  # the launcher reads them from the plan
+                stages[name]["hosts"] = [s.node for s in sp.slots]
+        return stages
 
     def _role_options(self, compiled: CompiledStep) -> dict[str, dict[str, Any]]:
         out = {role: dict(spec.options) for role, spec in self._roles.items()}

@@ -451,8 +451,6 @@ class Engine:
             if launch is None:
                 declared = self._declared().topology
                 launch = plan if declared == plan.topology else build_plan(declared)
-            if self.settings.get("multi_host"):  # the launcher places processes on hosts
-                self.launcher.assign_nodes(self.builder.nodes(**self.settings))
             honour_log_level(launch.topology.log_level)
             session = Session(launch, launcher=self.launcher, resume_dir=self.state)
             self._session = session

@@ -28,20 +28,16 @@ the number of CUDA devices it sees).
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.config.schema import is_local_host
 from hybridflow.errors import ConfigError
 
 # Canonical role order: the stage hosting several roles is named after the first.
 ROLE_ORDER = ("actor", "rollout", "reference", "critic", "reward")
 _DEVICE = re.compile(r"^(cpu(:\d+)?|cuda:\d+)$")
-
-
-def _local_names() -> set[str]:
-    return {"", "local", "localhost", "127.0.0.1", socket.gethostname()}
 
 
 @dataclass(frozen=True)
@@ -124,7 +120,7 @@ def _slot(path: str, node: str, device: str) -> Slot:
     if not _DEVICE.match(dev):
         raise ConfigError(path, f"{device!r} is not a device; use 'cpu', 'cpu:N' or 'cuda:N'")
     node = node.strip()
-    return Slot("" if node in _local_names() else node, dev)
+    return Slot("" if is_local_host(node) else node, dev)
 
 
 def place(

@@ -56,6 +56,7 @@ class ProcessInfo:
     replica: int
     device: str
     roles: tuple[str, ...]
+    host: str = ""  # "" = this host; else a node of a multi-host launcher
 
     @property
     def name(self) -> str:
@@ -79,6 +80,11 @@ class Plan:
     def role_ops(self, role: str) -> dict[str, dict[str, Any]]:
         return role_ops(self.topology, role)
 
+    def nodes(self) -> dict[str, str]:
+        """Process name -> host, for the processes `stages.<s>.hosts` puts elsewhere (what
+        a multi-host launcher's `assign_nodes` receives)."""
+        return {p.name: p.host for p in self.processes if p.host}
+
     def shared_gpus(self) -> dict[str, tuple[str, ...]]:
         """GPU -> the stage processes on it, for GPUs that host more than one. Legal (a
         user may pack small stages onto one device), but each process has its own CUDA
@@ -87,7 +93,8 @@ class Plan:
         on: dict[str, list[str]] = {}
         for p in self.processes:
             if p.device.startswith("cuda"):
-                on.setdefault(p.device, []).append(p.name)
+                where = f"{p.host}:{p.device}" if p.host else p.device
+                on.setdefault(where, []).append(p.name)
         return {dev: tuple(names) for dev, names in sorted(on.items()) if len(names) > 1}
 
     def edges(self) -> list[tuple[str, str, str]]:
@@ -152,7 +159,7 @@ def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:
         for name in cfg.outputs:
             producer[name] = i
     processes = tuple(
-        ProcessInfo(stage, r, cfg.device_of(r), tuple(cfg.roles))
+        ProcessInfo(stage, r, cfg.device_of(r), tuple(cfg.roles), cfg.host_of(r))
         for stage, cfg in topo.stages.items()
         for r in range(cfg.replicas)
     )
@@ -269,11 +276,11 @@ def _check_data(topo: Topology) -> None:
 
 
 def _check_devices(topo: Topology) -> None:
-    wanted = [
+    wanted = [  # GPUs of other hosts are their launcher's to check
         (stage, r, cfg.device_of(r))
         for stage, cfg in topo.stages.items()
         for r in range(cfg.replicas)
-        if cfg.device_of(r).startswith("cuda")
+        if cfg.device_of(r).startswith("cuda") and not cfg.host_of(r)
     ]
     if not wanted:
         return
@@ -315,6 +322,7 @@ def describe(plan: Plan) -> dict[str, Any]:
                 "replica": p.replica,
                 "device": p.device,
                 "roles": {r: t.stages[p.stage].roles[r].backend for r in p.roles},
+                **({"host": p.host} if p.host else {}),
             }
             for p in plan.processes
         ],
@@ -358,7 +366,8 @@ def describe_text(plan: Plan) -> str:
     width = max(len(p["name"]) for p in d["processes"])
     for p in d["processes"]:
         roles = ", ".join(f"{r} ({b})" for r, b in p["roles"].items())
-        lines.append(f"  {p['name']:<{width}}  device {p['device']:<7} roles: {roles}")
+        host = f"  on host {p['host']}" if "host" in p else ""
+        lines.append(f"  {p['name']:<{width}}  device {p['device']:<7} roles: {roles}{host}")
     lines.append(f"dataflow ({len(d['ops'])} ops, phases: {', '.join(plan.phases)}):")
     for i, op in enumerate(d["ops"]):
         scope = "step" if op["scope"] == "step" else "mb  "

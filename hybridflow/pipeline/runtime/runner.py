@@ -49,7 +49,7 @@ from hybridflow.pipeline.compiler.plan import build_plan, describe, describe_tex
 from hybridflow.pipeline.observe.metrics import MetricsSink
 from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.launcher import Launcher
-from hybridflow.pipeline.runtime.session import STAGE_ENTRY, Session, run_dir_of
+from hybridflow.pipeline.runtime.session import STAGE_ENTRY, Session, places_hosts, run_dir_of
 
 __all__ = [
     "STAGE_ENTRY",
@@ -81,7 +81,8 @@ def run_topology(
     stages restore from (see the module docstring). Without a `checkpointer`, the
     topology's `checkpoint:` section (if any) makes one."""
     check_start(topo, start_step)
-    plan = build_plan(topo, check_devices=True)
+    # A multi-host launcher's processes run on its nodes: their GPUs are not ours to count.
+    plan = build_plan(topo, check_devices=not places_hosts(launcher))
     check_dirs(topo)
     if checkpointer is None and topo.checkpoint is not None:
         checkpointer = topology_checkpointer(topo)

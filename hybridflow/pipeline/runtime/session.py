@@ -57,7 +57,7 @@ from typing import Any
 
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import Topology
-from hybridflow.errors import PipelineError
+from hybridflow.errors import ConfigError, PipelineError
 from hybridflow.pipeline.checkpoint.store import Checkpointer
 from hybridflow.pipeline.compiler.plan import Plan
 from hybridflow.pipeline.compiler.weight_links import describe_links
@@ -126,6 +126,27 @@ class _Live:
                     self.runner.close()
 
 
+def places_hosts(launcher: object) -> bool:
+    """Whether `launcher` puts processes on named hosts (a multi-host launcher)."""
+    return callable(getattr(launcher, "assign_nodes", None))
+
+
+def place_on_hosts(plan: Plan, launcher: object) -> None:
+    """Hand the plan's process -> host map (`stages.<s>.hosts`) to a multi-host launcher;
+    a host name with a launcher that only starts local processes is a ConfigError."""
+    nodes = plan.nodes()
+    if places_hosts(launcher):
+        launcher.assign_nodes(nodes)  # type: ignore[attr-defined]
+        return
+    for name, host in nodes.items():
+        stage = name.split("/")[0]
+        raise ConfigError(
+            f"stages.{stage}.hosts",
+            f"puts {name} on host {host!r}: processes on other hosts need a multi-host "
+            "launcher (hybridflow run --launcher ray); drop the host to run here",
+        )
+
+
 class Session:
     """Stage processes of `plan` (launched by the first job) and the jobs run on them."""
 
@@ -139,13 +160,15 @@ class Session:
     ) -> None:
         self.plan = plan  # the launch plan: what the processes were started with
         self.topo = plan.topology
+        launcher = launcher or LocalLauncher()
+        place_on_hosts(plan, launcher)
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.resume_dir = resume_dir  # checkpoint the stages restore right after setup
         self.state = SessionState.NEW
         self.jobs = 0  # jobs started
         self._live = _Live(
             run_id=self.run_id,
-            launcher=launcher or LocalLauncher(),
+            launcher=launcher,
             runner=asyncio.Runner(loop_factory=aio.loop_factory()),
             ipc_dir=_ipc_dir(self.topo, self.run_id),
             shutdown_timeout_s=self.topo.liveness.shutdown_timeout_s,
