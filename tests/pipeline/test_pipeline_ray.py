@@ -64,6 +64,20 @@ def _clean(rows: list[dict[str, float]]) -> list[dict[str, float]]:
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
+def _placed_on(launcher: RayLauncher) -> dict[str, str]:
+    """Process name -> the `hybridflow_host:` name of the node its Ray actor runs on."""
+    names = {
+        n["NodeID"]: next(r.split(":", 1)[1] for r in n["Resources"] if "hybridflow_host" in r)
+        for n in ray.nodes()
+        if n["Alive"]
+    }
+    get_node = ray.get_runtime_context
+    return {
+        name: names[ray.get(p.actor.__ray_call__.remote(lambda _: get_node().get_node_id()))]
+        for name, p in launcher._procs.items()
+    }
+
+
 def _driver_ip() -> str:
     ip = ray.util.get_node_ip_address()
     return ip if ip and not ip.startswith("127.") else "127.0.0.1"
@@ -107,6 +121,38 @@ def test_grpo_on_two_nodes_matches_the_local_launcher(cluster, tmp_path, monkeyp
     with _builder().build(
         metrics_backend="null", log_dir=tmp_path / "local", device_mapping={"reward": "cpu:2"}
     ) as engine:
+        local = engine.train("last_digit", steps=3)
+    a, b = _clean(on_ray.metrics), _clean(local.metrics)
+    diff = [(i, k, r[k], b[i].get(k)) for i, r in enumerate(a) for k in r if r[k] != b[i].get(k)]
+    assert a == b, diff
+    assert len(on_ray.metrics) == 3
+
+
+def test_fsdp_ranks_on_two_nodes_match_the_local_launcher(cluster, tmp_path, monkeypatch):
+    """A replicated engine stage (the actor's FSDP ranks, gloo on CPU) with rank 0 on node0
+    and rank 1 on node1: they meet at the TCPStore rank 0's supervisor bound on node0, and
+    the run equals the same two ranks started by the local launcher."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    two = [("node0", "cpu"), ("node1", "cpu")]
+    mapping = {"actor": two, "ref": two, "reward": [("node1", "cpu:2")]}
+    launcher = _launcher()
+    with _builder().build(
+        metrics_backend="null", log_dir=tmp_path / "ray", device_mapping=mapping, launcher=launcher
+    ) as engine:
+        topo = engine._declared().topology
+        assert topo.stages["engine"].replicas == 2
+        assert topo.stages["engine"].hosts == ["node0", "node1"]
+        on_ray = engine.train("last_digit", steps=3)
+        assert _placed_on(launcher) == {
+            "engine/0": "node0",
+            "engine/1": "node1",
+            "reward/0": "node1",
+        }
+    local_map = {"actor": ["cpu", "cpu"], "ref": ["cpu", "cpu"], "reward": "cpu:2"}
+    with _builder().build(
+        metrics_backend="null", log_dir=tmp_path / "local", device_mapping=local_map
+    ) as engine:
+        assert engine._declared().topology.stages["engine"].replicas == 2
         local = engine.train("last_digit", steps=3)
     a, b = _clean(on_ray.metrics), _clean(local.metrics)
     diff = [(i, k, r[k], b[i].get(k)) for i, r in enumerate(a) for k in r if r[k] != b[i].get(k)]
@@ -158,17 +204,7 @@ def test_the_cli_takes_the_ray_launcher(cluster, tmp_path, monkeypatch, capsys):
     stop = RayLauncher.stop
 
     def spy_stop(self: RayLauncher, timeout: float) -> Any:
-        # Before teardown: the `hybridflow_host:` resource of the node each actor ran on.
-        names = {
-            n["NodeID"]: next(r.split(":", 1)[1] for r in n["Resources"] if "hybridflow_host" in r)
-            for n in ray.nodes()
-            if n["Alive"]
-        }
-        get_node = ray.get_runtime_context
-        seen["hosts"] = {
-            name: names[ray.get(p.actor.__ray_call__.remote(lambda _: get_node().get_node_id()))]
-            for name, p in self._procs.items()
-        }
+        seen["hosts"] = _placed_on(self)  # before teardown
         return stop(self, timeout)
 
     monkeypatch.setattr(RayLauncher, "stop", spy_stop)
@@ -199,3 +235,18 @@ def test_the_cli_takes_the_ray_launcher(cluster, tmp_path, monkeypatch, capsys):
     assert "ray launcher: transport tcp" in out and "1 step(s)" in out
     assert Path(tmp_path, "metrics.jsonl").exists()
     assert seen["hosts"] == {"engine/0": "node0", "reward/0": "node1"}
+
+
+def test_weight_links_are_refused_before_any_actor_starts():
+    """The listening socket of a stage-to-stage weight link is bound on the driver's host
+    and inherited by the sender: the Ray launcher refuses it instead of hanging."""
+    from hybridflow.errors import PipelineError
+    from hybridflow.pipeline.runtime.launcher import LAUNCHER_RENDEZVOUS, ProcessSpec
+    from hybridflow.pipeline.runtime.ray_launcher import _check
+
+    base = {"endpoint": "tcp://10.0.0.1:5555", "stage": "engine", "replica": 0}
+    _check(ProcessSpec("engine/0", "m:f", {**base, "init_method": LAUNCHER_RENDEZVOUS}))
+    with pytest.raises(PipelineError, match="does not support stage-to-stage weight links"):
+        _check(ProcessSpec("engine/0", "m:f", base, pass_fds=(7,)))
+    with pytest.raises(PipelineError, match="does not support stage-to-stage weight links"):
+        _check(ProcessSpec("engine/0", "m:f", {**base, "init_method": "tcp://10.0.0.1:1"}))

@@ -52,6 +52,11 @@ _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
 
 
+# `init_method` of a replicated stage's processes when the launcher, not the session,
+# binds the rendezvous (a multi-host launcher: rank 0's node serves it).
+LAUNCHER_RENDEZVOUS = "launcher:"
+
+
 @dataclass(frozen=True)
 class ProcessSpec:
     name: str  # "<stage>/<replica>", unique per run

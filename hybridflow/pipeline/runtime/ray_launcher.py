@@ -21,9 +21,12 @@ secret and Curve keys) goes to the actor as a method argument over Ray's RPC, ne
 the environment or a file (Ray's RPC is only encrypted with Ray TLS: see README); a child
 never outlives its actor (PDEATHSIG) and `stop()` kills every actor, so nothing of the run
 is left on any node; a process whose actor or node died is reported by `poll()` as an
-exit with the host, which the coordinator turns into a StageDeadError. Not supported
-(refused at start): ipc endpoints, inherited fds (stage-to-stage weight links over TCP
-listeners, a cross-host torch.distributed rendezvous) -- those need host-local setup.
+exit with the host, which the coordinator turns into a StageDeadError. Replicated stages
+(the ranks of one FSDP model, on one node or several) meet at a TCPStore that rank 0
+serves on its own node: its supervisor binds the socket before any rank starts
+(`_rendezvous`), so the session binds nothing for them. Not supported (refused at start):
+ipc endpoints and stage-to-stage weight links (their TCP listeners are bound on the
+driver's host and inherited by the sending process).
 """
 
 from __future__ import annotations
@@ -39,7 +42,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridflow.errors import PipelineError
-from hybridflow.pipeline.runtime.launcher import LocalLauncher, ProcessExit, ProcessSpec
+from hybridflow.pipeline.runtime.launcher import (
+    LAUNCHER_RENDEZVOUS,
+    LocalLauncher,
+    ProcessExit,
+    ProcessSpec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,15 @@ class _Supervisor:
     def __init__(self) -> None:
         self.launcher = LocalLauncher()
         self.stopped: int | None = None
+        self.listener: socket.socket | None = None  # rank 0 of a replicated stage
+
+    def bind(self) -> tuple[str, int]:
+        """Bind the stage's rendezvous on this node (rank 0's supervisor); -> (ip, port)."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        self.listener = socket.create_server((ip, 0), backlog=128)
+        return ip, int(self.listener.getsockname()[1])
 
     def start(self, spec: ProcessSpec, cwd: str) -> dict[str, Any]:
         import ray
@@ -82,8 +99,18 @@ class _Supervisor:
         # cuda:N in the topology is GPU N of this node; Ray's own mask would renumber it.
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         # The stage watches its parent: this actor, not the coordinator on another host.
-        spec = replace(spec, payload={**spec.payload, "parent_pid": os.getpid()})
-        self.launcher.start([spec])
+        payload = {**spec.payload, "parent_pid": os.getpid()}
+        fds = spec.pass_fds
+        if self.listener is not None:  # the child's TCPStore adopts it (init_listen_fd)
+            payload["init_listen_fd"] = self.listener.fileno()
+            fds = (*fds, self.listener.fileno())
+        spec = replace(spec, payload=payload, pass_fds=fds)
+        try:
+            self.launcher.start([spec])
+        finally:
+            if self.listener is not None:  # the child holds its own copy now
+                self.listener.close()
+                self.listener = None
         return {
             "pid": self.launcher.pids()[spec.name],
             "host": socket.gethostname(),
@@ -154,9 +181,9 @@ class RayLauncher:
         for spec in specs:
             _check(spec)
         remote = ray.remote(_Supervisor)
-        pending = {}
+        actors: dict[str, tuple[Any, str | None, dict[str, Any]]] = {}
         for spec in specs:
-            if spec.name in self._procs or spec.name in pending:
+            if spec.name in self._procs or spec.name in actors:
                 raise ValueError(f"process {spec.name!r} started twice")
             opts: dict[str, Any] = {
                 "num_cpus": self.num_cpus,
@@ -167,7 +194,16 @@ class RayLauncher:
             node = self._nodes.get(spec.name)
             if node:
                 opts["resources"] = {node_resource(node): 0.001}
-            actor = remote.options(**opts).remote()
+            actors[spec.name] = (remote.options(**opts).remote(), node, opts)
+        try:
+            specs = self._rendezvous(ray, specs, actors)
+        except Exception:
+            for a, *_ in actors.values():
+                ray.kill(a, no_restart=True)
+            raise
+        pending = {}
+        for spec in specs:
+            actor, node, opts = actors[spec.name]
             spec = replace(spec, payload={**spec.payload, "endpoint": self._endpoint(spec)})
             pending[spec.name] = (actor, actor.start.remote(spec, os.getcwd()), node, opts)
         for name, (actor, ref, node, opts) in pending.items():
@@ -189,6 +225,34 @@ class RayLauncher:
                 actor, actor.wait.remote(), int(info["pid"]), str(info["ip"]), info["node_id"]
             )
             log.debug("started %s pid %d on %s", name, info["pid"], info["ip"])
+
+    def _rendezvous(
+        self, ray: Any, specs: Sequence[ProcessSpec], actors: Mapping[str, tuple[Any, ...]]
+    ) -> list[ProcessSpec]:
+        """Replicated stages (FSDP ranks) meet at a TCPStore served by rank 0 on its node:
+        rank 0's supervisor binds the listening socket there and keeps it until its child
+        inherits it (no bind-close-rebind window, as on one host); every rank of the stage
+        gets that address as its `init_method`."""
+        addr: dict[str, str] = {}
+        for spec in specs:
+            p = spec.payload
+            if p.get("init_method") == LAUNCHER_RENDEZVOUS and int(p.get("replica", 0)) == 0:
+                actor = actors[spec.name][0]
+                try:
+                    ip, port = ray.get(actor.bind.remote(), timeout=self.start_timeout_s)
+                except ray.exceptions.GetTimeoutError:
+                    raise PipelineError(
+                        f"process {spec.name}: no Ray node took it within "
+                        f"{self.start_timeout_s:.0f}s to bind its stage's rendezvous"
+                    ) from None
+                addr[str(p["stage"])] = f"tcp://{ip}:{port}"
+        out = []
+        for spec in specs:
+            p = spec.payload
+            if p.get("init_method") == LAUNCHER_RENDEZVOUS:
+                spec = replace(spec, payload={**p, "init_method": addr[str(p["stage"])]})
+            out.append(spec)
+        return out
 
     def pids(self) -> dict[str, int]:
         """Process name -> pid on its node."""
@@ -268,9 +332,9 @@ def _check(spec: ProcessSpec) -> None:
             f"process {spec.name}: the ray launcher needs transport.protocol: tcp "
             "(ipc sockets stay on one host); --set transport.protocol=tcp"
         )
-    if spec.pass_fds or spec.payload.get("init_method"):
+    if spec.pass_fds or spec.payload.get("init_method", "") not in ("", LAUNCHER_RENDEZVOUS):
         raise PipelineError(
             f"process {spec.name}: the ray launcher does not support stage-to-stage weight "
-            "links or replicated stages yet (they need sockets set up on the host); use "
-            "the hybrid engine and one replica per stage"
+            "links yet (their listening sockets are set up on the driver's host); use the "
+            "hybrid engine (the rollout in the actor's stage)"
         )

@@ -64,7 +64,13 @@ from hybridflow.pipeline.compiler.weight_links import describe_links
 from hybridflow.pipeline.host.weight_sync import endpoints
 from hybridflow.pipeline.observe.metrics import MetricsSink, make_sinks
 from hybridflow.pipeline.runtime.coordinator import Coordinator, RunResult, shutdown_peers
-from hybridflow.pipeline.runtime.launcher import Launcher, LocalLauncher, ProcessExit, ProcessSpec
+from hybridflow.pipeline.runtime.launcher import (
+    LAUNCHER_RENDEZVOUS,
+    Launcher,
+    LocalLauncher,
+    ProcessExit,
+    ProcessSpec,
+)
 from hybridflow.pipeline.runtime.peers import StagePeer
 from hybridflow.pipeline.sources.registry import create_source
 from hybridflow.transport import aio, auth, curve, shm
@@ -331,6 +337,7 @@ class Session:
                                 secret=live.secret,
                                 listeners=listeners,
                                 curve_keys=live.curve,
+                                bind_rendezvous=not places_hosts(live.launcher),
                             )
                         )
                     finally:  # the sending processes hold their own copies now
@@ -369,6 +376,7 @@ def _specs(
     secret: bytes,
     listeners: list[socket.socket],
     curve_keys: curve.RunKeys | None = None,
+    bind_rendezvous: bool = True,
 ) -> list[ProcessSpec]:
     """One spec per stage replica. `secret` (and each process's CurveZMQ keys) travels
     in the payload (the launcher's stdin pipe: never argv, env or a file). Listening sockets for the weight links are appended
@@ -379,9 +387,12 @@ def _specs(
     # so roles never pick ports themselves. Its socket is bound here and kept listening;
     # replica 0 inherits it and its TCPStore adopts it (`init_listen_fd`), so no other
     # process can take the port in between (no bind-close-rebind).
+    # A multi-host launcher binds it on rank 0's node instead (`bind_rendezvous=False`).
     init: dict[str, tuple[str, int]] = {}
     for stage, n in plan.replicas.items():
-        if n > 1:
+        if n > 1 and not bind_rendezvous:
+            init[stage] = (LAUNCHER_RENDEZVOUS, -1)
+        elif n > 1:
             sock = socket.create_server((host, 0), backlog=128)
             listeners.append(sock)
             init[stage] = (f"tcp://{host}:{sock.getsockname()[1]}", sock.fileno())
