@@ -142,6 +142,41 @@ def test_dapo_advantages_op_filters_and_shapes():
     assert m["reward/mean"] == pytest.approx(float(rewards.mean()))  # the task reward
 
 
+def test_dapo_keeps_a_train_batch_of_whole_informative_groups_over_the_step():
+    """`dynamic_sampling_keep` with `scope: step`: the first informative groups (data order)
+    that fit in the limit are trained on, never part of a group; the shortfall is counted.
+    Without `scope: step`, or without dynamic_sampling, the plan refuses it by key."""
+    i = _adv_index(load_topology("dapo"))
+    groups = torch.arange(4).repeat_interleave(8)  # 4 prompts x 8 samples
+    rewards = torch.rand(32, generator=torch.Generator().manual_seed(0))
+    rewards[groups == 1] = 0.0  # uninformative: all wrong
+    batch = {"rewards": rewards, "response_mask": torch.ones(32, 4, dtype=torch.long),
+             "group_index": groups, "prompt_mask": torch.ones(32, 5, dtype=torch.long)}  # fmt: skip
+    for limit, kept, short in ((16, [0, 2], 0), (20, [0, 2], 4), (8, [0], 0), (7, [], 7)):
+        topo = load_topology(
+            "dapo",
+            [f"dataflow[{i}].scope=step", f"dataflow[{i}].params.dynamic_sampling_keep={limit}"],
+        )
+        op = resolve_driver_op("advantages", "x", topology=topo, index=i)
+        out, m = op(batch, {"step": 0})
+        want = torch.isin(groups, torch.tensor(kept, dtype=torch.long))
+        assert torch.equal(out["sample_mask"], want.float()), limit
+        assert m["dynamic_sampling/short_count"] == short
+        assert m["dynamic_sampling/kept_groups_count"] == len(kept)
+    with pytest.raises(
+        ConfigError, match=rf"^dataflow\[{i}\]\.params\.dynamic_sampling_keep: counts"
+    ):
+        build_plan(load_topology("dapo", [f"dataflow[{i}].params.dynamic_sampling_keep=16"]))
+    with pytest.raises(ConfigError, match=r"dynamic_sampling_keep: caps what dynamic_sampling"):
+        build_plan(
+            load_topology(
+                "dapo",
+                [f"dataflow[{i}].scope=step", f"dataflow[{i}].params.dynamic_sampling_keep=16",
+                 f"dataflow[{i}].params.dynamic_sampling=false"],
+            )
+        )  # fmt: skip
+
+
 def test_dapo_reward_rises_and_its_metrics_are_written(tmp_path):
     run_dir = tmp_path / "dapo"
     topo = preset(

@@ -26,12 +26,21 @@ Params (the op's `params:` block, checked when the run is planned):
                    get advantage 0 and sample_mask 0, so actor.update leaves them out
                    of the loss AND its denominator (declare `sample_mask` as an output
                    here and an input of actor.update). Needs a group estimator. (false)
+  dynamic_sampling_keep
+                   with `scope: step`: train on at most this many samples, the
+                   informative groups in data order (verl's DAPO truncates its filtered
+                   batch to the train batch size the same way); generate more than it
+                   (run.step_batch) to leave room for dropped groups. 0 = keep all   (0)
 
 Dynamic sampling, what is and is not done: DAPO drops zero-variance groups and then
-samples MORE prompts until the step holds `step_batch` informative samples. Here the
+samples MORE prompts until the step holds its train batch of informative samples. Here the
 filter runs per call inside this op (which cannot ask the data source for more
 prompts: the coordinator sizes steps up front), so a step trains on the informative
-groups it happened to draw: fewer samples when many groups agree, never a refill.
+groups it happened to draw: fewer samples when many groups agree, never a second round
+of generation. Over-generating (run.step_batch larger than the train batch) with
+`scope: step` and `dynamic_sampling_keep: <train batch>` is verl's recipe with one
+generation round: the first informative groups fill the train batch, the surplus is
+masked out, and dynamic_sampling/short_count says by how many samples a step fell short.
 Counted per step: dynamic_sampling/kept_groups_count, dynamic_sampling/dropped_groups_count
 (summed over micro-batches) and dynamic_sampling/kept_frac (share of samples kept).
 
@@ -109,6 +118,7 @@ class AdvantageParams:
     overlong_max_len: int = 0
     overlong_penalty_factor: float = 1.0
     dynamic_sampling: bool = False
+    dynamic_sampling_keep: int = 0
 
     def validate(self, path: str) -> None:
         if self.estimator not in ADVANTAGE_ESTIMATORS:
@@ -141,6 +151,12 @@ class AdvantageParams:
             )
         if self.overlong_penalty_factor < 0:
             raise ConfigError(f"{path}.overlong_penalty_factor", "must be >= 0")
+        if self.dynamic_sampling_keep < 0:
+            raise ConfigError(f"{path}.dynamic_sampling_keep", "must be >= 0 (0: keep all)")
+        if self.dynamic_sampling_keep and not self.dynamic_sampling:
+            raise ConfigError(
+                f"{path}.dynamic_sampling_keep", "caps what dynamic_sampling keeps: set it too"
+            )
         if self.dynamic_sampling and not ADVANTAGE_ESTIMATORS[self.estimator].needs_groups:
             groups = [n for n, s in ADVANTAGE_ESTIMATORS.items() if s.needs_groups]
             raise ConfigError(
@@ -164,6 +180,11 @@ class Advantages:
             _check_groups(topology, self.p.estimator, per_step)
         if self.p.dynamic_sampling:
             _check_sample_mask_consumed(topology, path)
+        if self.p.dynamic_sampling_keep and not per_step:
+            raise ConfigError(
+                f"{path}.params.dynamic_sampling_keep",
+                "counts samples of the whole step: give this op `scope: step`",
+            )
         self.k = topology.run.max_offpolicy_steps
         # Calls per step: one per micro-batch, or one with the whole step (scope: step).
         self.n_mb = 1 if per_step else topology.run.micro_batches
@@ -242,6 +263,9 @@ class Advantages:
         if self.p.dynamic_sampling:
             keep = informative_groups(scores, batch["group_index"])
             n_groups = int(torch.unique(batch["group_index"]).numel())
+            if self.p.dynamic_sampling_keep:
+                keep, short = _first_rows(keep, batch["group_index"], self.p.dynamic_sampling_keep)
+                metrics["dynamic_sampling/short_count"] = float(short)
             kept_groups = int(torch.unique(batch["group_index"][keep]).numel())
             metrics |= {
                 "dynamic_sampling/kept_groups_count": float(kept_groups),
@@ -299,6 +323,24 @@ class Advantages:
         if res.returns is not None:
             out["returns"] = res.returns.float()  # [B, R]
         return out, metrics
+
+
+def _first_rows(
+    keep: torch.Tensor, group_index: torch.Tensor, limit: int
+) -> tuple[torch.Tensor, int]:
+    """`keep` [B] bool cut to the whole groups that fit in `limit` rows, in data order
+    (a group is never split: its samples are compared with each other). -> (mask, how
+    many rows short of `limit` the kept groups are)."""
+    out = torch.zeros_like(keep)
+    taken = 0
+    for g in dict.fromkeys(group_index[keep].tolist()):  # informative groups, first seen first
+        rows = (group_index == g) & keep
+        n = int(rows.sum())
+        if taken + n > limit:
+            break
+        out |= rows
+        taken += n
+    return out, limit - taken
 
 
 class _KLCoefficient:
