@@ -202,11 +202,9 @@ def test_ppo_with_step_wide_advantages_whitens_over_the_whole_step(tmp_path):
     assert all(math.isfinite(row["actor/pg_loss"]) for row in res.metrics)
 
 
-def test_grpo_with_fp32_lm_heads_in_a_bf16_rollout_and_the_actor(tmp_path):
-    """`fp32_lm_head` through the config: the native rollout (bf16 weights) and the actor
-    swap their heads for float32 ones over the same parameters, so the actor's reshard
-    still fills the rollout by name and a step trains."""
-    run_dir = tmp_path / "grpo-fp32-head"
+def _two_native_grpo_steps(run_dir, *engine_options: str) -> dict:
+    """Two small GRPO steps with the native rollout; `engine_options` are `role.key=value`
+    options of the engine stage's roles. Both steps must train. -> the roles' options."""
     topo = preset(
         "grpo",
         run_dir,
@@ -216,35 +214,28 @@ def test_grpo_with_fp32_lm_heads_in_a_bf16_rollout_and_the_actor(tmp_path):
         "metrics.backends=[jsonl]",
         "stages.engine.roles.rollout.backend=native",
         "stages.engine.roles.rollout.options.max_prompt_len=64",
-        "stages.engine.roles.rollout.options.dtype=bfloat16",
-        "stages.engine.roles.rollout.options.fp32_lm_head=true",
-        "stages.engine.roles.actor.options.fp32_lm_head=true",
-        "stages.engine.roles.reference.options.fp32_lm_head=true",
+        *(f"stages.engine.roles.{o.replace('.', '.options.', 1)}" for o in engine_options),
     )
     run_topology(topo)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
     assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in rows)
+    return {name: role.options for name, role in topo.stages["engine"].roles.items()}
+
+
+def test_grpo_with_fp32_lm_heads_in_a_bf16_rollout_and_the_actor(tmp_path):
+    """`fp32_lm_head` through the config: the native rollout (bf16 weights) and the actor
+    swap their heads for float32 ones over the same parameters, so the actor's reshard
+    still fills the rollout by name and a step trains."""
+    heads = (f"{r}.fp32_lm_head=true" for r in ("rollout", "actor", "reference"))
+    options = _two_native_grpo_steps(tmp_path / "grpo-fp32-head", "rollout.dtype=bfloat16", *heads)
+    assert all(o["fp32_lm_head"] is True for o in options.values())
 
 
 def test_grpo_on_qwen3_shaped_models_with_the_native_engine(tmp_path):
     """Qwen3's layout (per-head q/k norms, head_dim apart from hidden / heads) through the
     whole loop: the native rollout decodes it, the actor trains it, and the reshard's
     completeness check sees every parameter arrive in the rollout (q_norm, k_norm too)."""
-    run_dir = tmp_path / "grpo-qwen3"
-    roles = ("rollout", "actor", "reference")
-    topo = preset(
-        "grpo",
-        run_dir,
-        "run.steps=2",
-        "run.step_batch=32",
-        "run.micro_batch=16",
-        "metrics.backends=[jsonl]",
-        "stages.engine.roles.rollout.backend=native",
-        "stages.engine.roles.rollout.options.max_prompt_len=64",
-        *(f"stages.engine.roles.{r}.options.model=tiny-qwen3" for r in roles),
-    )
-    run_topology(topo)
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1]
-    assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in rows)
+    models = (f"{r}.model=tiny-qwen3" for r in ("rollout", "actor", "reference"))
+    options = _two_native_grpo_steps(tmp_path / "grpo-qwen3", *models)
+    assert {o["model"] for o in options.values()} == {"tiny-qwen3"}
