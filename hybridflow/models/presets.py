@@ -23,7 +23,7 @@ from hybridflow.errors import ConfigError
 
 @dataclass(frozen=True)
 class Preset:
-    arch: str  # "qwen2" | "llama" | "qwen3"
+    arch: str  # "qwen2" | "llama" | "qwen3" | "mistral"
     description: str
     shape: dict[str, Any] = field(default_factory=dict)
     vocab_size: int | None = None  # None: the tokenizer's size (tiny presets)
@@ -42,10 +42,15 @@ _TINY = dict(
 
 # Qwen3 sets head_dim apart from hidden_size / heads (128 in the released models).
 _TINY_QWEN3 = {**_TINY, "head_dim": 32}
+# Mistral is Llama's layout plus a sliding window (4096 by default): off for the twin.
+_TINY_MISTRAL = {**_TINY, "sliding_window": None}
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset("qwen2", "Qwen2-shaped, 2 layers, hidden 64 (~0.1M params): CPU tests", _TINY),
     "tiny-llama": Preset("llama", "Llama-shaped twin of `tiny`", _TINY),
+    "tiny-mistral": Preset(
+        "mistral", "Mistral-shaped twin of `tiny` (no sliding window)", _TINY_MISTRAL
+    ),
     "tiny-qwen3": Preset(
         "qwen3", "Qwen3-shaped twin of `tiny` (per-head q/k RMSNorm, head_dim 32)", _TINY_QWEN3
     ),
@@ -245,10 +250,11 @@ def preset_config(
     `overrides` replace config fields (e.g. `num_hidden_layers`); unknown field names
     raise ConfigError rather than silently becoming inert config attributes.
     """
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     preset = get_preset(name, path)
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}[preset.arch]
+    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}
+    cls = {**classes, "mistral": MistralConfig}[preset.arch]
     kwargs: dict[str, Any] = dict(preset.shape)
     if preset.vocab_size is None:
         kwargs["vocab_size"] = vocab_size

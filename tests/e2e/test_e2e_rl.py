@@ -232,10 +232,11 @@ def test_grpo_with_fp32_lm_heads_in_a_bf16_rollout_and_the_actor(tmp_path):
     assert all(o["fp32_lm_head"] is True for o in options.values())
 
 
-def test_grpo_on_qwen3_shaped_models_with_the_native_engine(tmp_path):
-    """Qwen3's layout (per-head q/k norms, head_dim apart from hidden / heads) through the
-    whole loop: the native rollout decodes it, the actor trains it, and the reshard's
-    completeness check sees every parameter arrive in the rollout (q_norm, k_norm too)."""
-    models = (f"{r}.model=tiny-qwen3" for r in ("rollout", "actor", "reference"))
-    options = _two_native_grpo_steps(tmp_path / "grpo-qwen3", *models)
-    assert {o["model"] for o in options.values()} == {"tiny-qwen3"}
+@pytest.mark.parametrize("arch", ["tiny-qwen3", "tiny-mistral"])
+def test_grpo_on_other_layouts_with_the_native_engine(tmp_path, arch):
+    """Qwen3's layout (per-head q/k norms, head_dim apart from hidden / heads) and
+    Mistral's through the whole loop: the native rollout decodes it, the actor trains it,
+    and the reshard's completeness check sees every parameter arrive in the rollout."""
+    models = (f"{r}.model={arch}" for r in ("rollout", "actor", "reference"))
+    options = _two_native_grpo_steps(tmp_path / f"grpo-{arch}", *models)
+    assert {o["model"] for o in options.values()} == {arch}

@@ -26,7 +26,7 @@ def tokenizer() -> Any:
     return load_tokenizer("builtin")
 
 
-@pytest.fixture(scope="session", params=["tiny", "tiny-llama", "tiny-qwen3"])
+@pytest.fixture(scope="session", params=["tiny", "tiny-llama", "tiny-qwen3", "tiny-mistral"])
 def model(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
     return build(tokenizer, request.param)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from native_helpers import engine, prompts, run_all
+from native_helpers import build, engine, prompts, run_all
 
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.rollout.native.model import NativeModel
@@ -177,6 +177,19 @@ def test_unsupported_architecture_is_a_config_error(tokenizer: Any) -> None:
     with pytest.raises(ConfigError) as err:
         NativeModel(GPT2LMHeadModel(cfg), 64, path="stages.rollout.options")
     assert err.value.path == "stages.rollout.options.model" and "gpt2" in str(err.value)
+
+
+def test_a_mistral_window_that_would_slide_within_a_slot_is_a_config_error(tokenizer: Any) -> None:
+    """Mistral attends to the last `sliding_window` positions; the native engine attends to
+    all of them, so it takes Mistral only where the window cannot slide."""
+    windowed = build(tokenizer, "tiny-mistral")
+    windowed.config.sliding_window = 32
+    with pytest.raises(ConfigError) as err:
+        NativeModel(windowed, 64, path="stages.rollout.options")
+    assert err.value.path == "stages.rollout.options.model" and "sliding window of 32" in str(
+        err.value
+    )
+    NativeModel(windowed, 32)  # a slot within the window: exact
 
 
 def test_release_refused_in_flight_then_sleep_and_wake(qwen: Any) -> None:

@@ -1,5 +1,5 @@
-"""The `native` rollout engine: plain-torch generation over a transformers Qwen2/Qwen3/Llama
-model's own modules, with continuous batching, a slot KV cache and CUDA-graph decode.
+"""The `native` rollout engine: plain-torch generation over a transformers Qwen2/Qwen3/Llama/
+Mistral model's own modules, with continuous batching, a slot KV cache and CUDA-graph decode.
 
     role.NativeRollout      the rollout backend (ops: generate [async], load_weights,
       |                     sleep, wake_up; update_weights for a colocated actor)

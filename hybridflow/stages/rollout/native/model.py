@@ -1,4 +1,4 @@
-"""Forward passes of a transformers Qwen2 / Qwen3 / Llama causal LM over the native engine's
+"""Forward passes of a transformers Qwen2 / Qwen3 / Llama / Mistral causal LM over the native engine's
 slot KV cache, built from the model's OWN modules: embedding, RMSNorms, q/k/v/o
 projections (with Qwen2's qkv bias), Qwen3's per-head q/k RMSNorms (applied before RoPE,
 as its attention does), MLP, final norm, lm_head and the rotary embedding. Nothing is
@@ -30,12 +30,13 @@ import torch.nn.functional as F
 
 from hybridflow.errors import ConfigError
 
-SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama")
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama", "mistral")
 
 
-def check_supported(model: Any, path: str) -> None:
-    """ConfigError naming `{path}.model` unless `model` is a Qwen2/Qwen3/Llama causal LM whose
-    layers this engine computes exactly."""
+def check_supported(model: Any, path: str, max_len: int | None = None) -> None:
+    """ConfigError naming `{path}.model` unless `model` is a Qwen2/Qwen3/Llama/Mistral
+    causal LM whose layers this engine computes exactly over slots of `max_len` positions
+    (Mistral's sliding window never slides within a sequence that short)."""
     cfg = getattr(model, "config", None)
     arch = getattr(cfg, "model_type", None)
     where = f"{path}.model" if path else "model"
@@ -53,6 +54,14 @@ def check_supported(model: Any, path: str) -> None:
         raise ConfigError(
             where, f"sliding-window attention layers are not supported (layer types {kinds})"
         )
+    window = getattr(cfg, "sliding_window", None) if arch == "mistral" else None
+    if window is not None and (max_len is None or max_len > window):
+        raise ConfigError(
+            where,
+            f"Mistral's sliding window of {window} positions would slide within a slot of "
+            f"{max_len} (max_prompt_len + max_new_tokens, rounded up to 16); the native engine "
+            "attends to every position: keep slots within the window or use the hf backend",
+        )
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -64,7 +73,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 class NativeModel:
     def __init__(self, hf_model: Any, max_len: int, *, autocast_bf16: bool = False, path: str = ""):
-        check_supported(hf_model, path)
+        check_supported(hf_model, path, max_len)
         cfg = hf_model.config
         body = hf_model.model
         self.hf = hf_model
