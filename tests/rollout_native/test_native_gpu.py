@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3"])
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3", "tiny-mistral"])
 def cuda_model(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
     return build(tokenizer, request.param, device="cuda")
 
