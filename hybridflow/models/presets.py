@@ -45,6 +45,18 @@ _TINY_QWEN3 = {**_TINY, "head_dim": 32}
 # Mistral is Llama's layout plus a sliding window (4096 by default): off for the twin.
 _TINY_MISTRAL = {**_TINY, "sliding_window": None}
 
+# What the small Qwen3 releases share (0.6B and 1.7B differ only in width).
+_QWEN3 = dict(
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset("qwen2", "Qwen2-shaped, 2 layers, hidden 64 (~0.1M params): CPU tests", _TINY),
     "tiny-llama": Preset("llama", "Llama-shaped twin of `tiny`", _TINY),
@@ -125,35 +137,13 @@ PRESETS: dict[str, Preset] = {
     "qwen3-0.6b": Preset(
         "qwen3",
         "Qwen3-0.6B shape (596M params), random init: GPU benchmarks",
-        dict(
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        ),
+        {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072},
         vocab_size=151936,
     ),
     "qwen3-1.7b": Preset(
         "qwen3",
         "Qwen3-1.7B shape (1.7B params), random init: GPU benchmarks",
-        dict(
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        ),
+        {**_QWEN3, "hidden_size": 2048, "intermediate_size": 6144},
         vocab_size=151936,
     ),
 }

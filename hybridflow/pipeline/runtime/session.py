@@ -144,10 +144,10 @@ def place_on_hosts(plan: Plan, launcher: object) -> None:
     if places_hosts(launcher):
         launcher.assign_nodes(nodes)  # type: ignore[attr-defined]
         return
-    for name, host in nodes.items():
-        stage = name.split("/")[0]
+    if nodes:
+        name, host = next(iter(nodes.items()))
         raise ConfigError(
-            f"stages.{stage}.hosts",
+            f"stages.{name.split('/')[0]}.hosts",
             f"puts {name} on host {host!r}: processes on other hosts need a multi-host "
             "launcher (hybridflow run --launcher ray); drop the host to run here",
         )
