@@ -118,7 +118,7 @@ def test_a_hanging_sample_times_out_without_stalling_the_batch():
 
 def test_a_non_finite_value_is_a_named_failure():
     meta = [_record("1"), _record("1")]
-    with pytest.raises(RewardFunctionError, match="sample 1 .*rewards must be finite"):
+    with pytest.raises(RewardFunctionError, match=r"sample 1 .*rewards must be finite"):
         _role("verl_returns_inf", failure_score=None).handle("score", _batch(["1", "7"], meta), {})
     out, metrics = _role("verl_returns_inf").handle("score", _batch(["1", "7"], meta), {})
     assert out["rewards"].tolist() == [1.0, 0.0] and metrics["reward/fn_failures"] == 1
