@@ -15,7 +15,7 @@ pickle) keeps it safe to decode from a socket. A JSON text never contains a 0 by
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -90,11 +90,20 @@ def collate_prompts(items: Sequence[PromptItem], pad_id: int) -> dict[str, torch
     }
 
 
-def collate_sft(examples: Sequence[dict[str, str]], tokenizer: Any) -> dict[str, torch.Tensor]:
+def collate_sft(examples: Sequence[Mapping[str, Any]], tokenizer: Any) -> dict[str, torch.Tensor]:
     """{prompt, response} pairs -> prompt_ids/prompt_mask [B, P] (left-padded) and
     response_ids/response_mask [B, R] (right-padded, EOS appended): the RL batch layout,
-    so an SFT step is the actor's `sft_update` on the same tensors."""
-    prompts = [tokenizer(e["prompt"], add_special_tokens=True)["input_ids"] for e in examples]
+    so an SFT step is the actor's `sft_update` on the same tensors.
+
+    A pair's prompt is a string (tokenized here, as a plain prompt: special tokens
+    added) or already token ids under `prompt_ids` (the sft source gives the RL prompt
+    source's ids, chat template applied: data/prompts.py `make_item`)."""
+    prompts = [
+        list(e["prompt_ids"])
+        if "prompt_ids" in e
+        else tokenizer(e["prompt"], add_special_tokens=True)["input_ids"]
+        for e in examples
+    ]
     responses = [
         tokenizer(e["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         for e in examples

@@ -1,28 +1,56 @@
-"""The built-in tokenizer: a small BPE vocabulary trained in-process with `tokenizers`.
+"""Tokenizers trained in-process with `tokenizers`: the built-in one, and `train_tokenizer`.
 
-No pretrained tokenizer can be downloaded, so demos and tests use this one. It is trained
-on a fixed corpus (the built-in tasks' prompts and answers plus a little English), so it
-is identical in every process and on every machine: same corpus + same trainer settings
-give the same merges (`tokenizers`' BPE trainer breaks ties deterministically).
+No pretrained tokenizer can be downloaded, so demos and tests use the built-in one. It is
+trained on a fixed corpus (the built-in tasks' prompts and answers plus a little English),
+so it is identical in every process and on every machine: same corpus + same trainer
+settings give the same merges (`tokenizers`' BPE trainer breaks ties deterministically).
+`train_tokenizer(corpus, vocab_size, chat_template)` runs the same trainer on a user's
+corpus (e.g. a dataset's questions and solutions: examples/math_rl.py) and can carry a
+chat template (CHAT_TEMPLATE: `<|user|>` / `<|assistant|>` markers).
 
-Produces a `transformers.PreTrainedTokenizerFast` with:
-  - special tokens `<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3 (ids fixed by their order);
+Both produce a `transformers.PreTrainedTokenizerFast` with:
+  - special tokens `<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3 (ids fixed by their order),
+    then the chat template's `<|name|>` markers (train_tokenizer only);
   - printable ASCII, tab and newline as the base alphabet; anything else is `<unk>`;
   - every digit its own token (so digit tasks are learnable token by token);
   - spaces kept as a `▁` marker (Metaspace), so `decode(encode(s)) == s` for ASCII text;
   - left padding (what batched generation needs);
-  - no chat template (prompts of the built-in tasks are plain text).
+  - the built-in one has no chat template (prompts of the built-in tasks are plain text),
+    and its vocabulary never changes: demos and tests depend on it id for id.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import string
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 PAD, EOS, BOS, UNK = SPECIAL_TOKENS
 DEFAULT_VOCAB_SIZE = 192
+
+# A minimal chat template for tokenizers trained with `train_tokenizer`:
+#   <bos><|user|>\n{content}\n<|assistant|>\n{content}<eos>\n ...
+# and, with add_generation_prompt, a trailing "<|assistant|>\n": the prompt ends on a
+# newline token, so the response starts a fresh pre-token (its tokens are the same
+# whether it is tokenized alone, as SFT does, or sampled after the prompt).
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}<|system|>"
+    "{%- elif message['role'] == 'user' -%}<|user|>"
+    "{%- elif message['role'] == 'assistant' -%}<|assistant|>"
+    "{%- else -%}{{ raise_exception('unknown chat role: ' + message['role']) }}"
+    "{%- endif -%}"
+    "{{- '\\n' + message['content'] -}}"
+    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+    "{{- '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{{- '\\n' -}}{%- endif -%}"
+)
+_MARKER = re.compile(r"<\|[A-Za-z0-9_]+\|>")
 
 _ENGLISH = (
     "The quick brown fox jumps over the lazy dog. Reinforcement learning from feedback "
@@ -44,8 +72,18 @@ def _corpus() -> list[str]:
     return lines
 
 
+def _alphabet() -> list[str]:
+    return [*sorted(set(string.printable) - set(" \r\x0b\x0c")), "▁"]
+
+
 @functools.lru_cache(maxsize=4)
 def _trained_json(vocab_size: int) -> str:
+    return _train_json(_corpus(), vocab_size, SPECIAL_TOKENS)
+
+
+def _train_json(corpus: Iterable[str], vocab_size: int, special_tokens: Sequence[str]) -> str:
+    """The one BPE trainer (built-in and user tokenizers): Metaspace, single digits,
+    printable ASCII alphabet; `special_tokens` take ids 0.. in their order."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=UNK))
@@ -56,32 +94,61 @@ def _trained_json(vocab_size: int) -> str:
         ]
     )
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
-    alphabet = [*sorted(set(string.printable) - set(" \r\x0b\x0c")), "▁"]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=alphabet,
+        special_tokens=list(special_tokens),
+        initial_alphabet=_alphabet(),
         min_frequency=2,
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     return tok.to_str()
 
 
 def builtin_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Any:
     """A fresh `PreTrainedTokenizerFast` wrapping the built-in BPE (cached training)."""
+    if vocab_size < len(SPECIAL_TOKENS) + 100:
+        raise ValueError(f"builtin tokenizer vocab_size must be >= 104, got {vocab_size}")
+    return _wrap(_trained_json(vocab_size), None)
+
+
+def train_tokenizer(
+    corpus: Iterable[str], vocab_size: int, chat_template: str | None = None
+) -> Any:
+    """A `PreTrainedTokenizerFast` trained on `corpus` with the built-in one's trainer:
+    the same special tokens and ids, digits split, Metaspace, left padding.
+
+    `chat_template` (Jinja, e.g. CHAT_TEMPLATE) becomes the tokenizer's chat template;
+    every `<|name|>` marker it writes is added as a special token (ids 4.. in order of
+    appearance, inside `vocab_size`), so a marker is always one token and no merge spans
+    it. Deterministic in (corpus, vocab_size, chat_template). `save_pretrained(dir)`
+    writes a directory that `tokenizer: <dir>` options load back (models/loader.py).
+    """
+    markers = tuple(dict.fromkeys(_MARKER.findall(chat_template or "")))
+    special = (*SPECIAL_TOKENS, *markers)
+    if vocab_size < len(special) + len(_alphabet()):
+        raise ValueError(
+            f"vocab_size must be >= {len(special) + len(_alphabet())} (special tokens and "
+            f"the base alphabet), got {vocab_size}"
+        )
+    lines = [line for line in corpus if line]
+    if not lines:
+        raise ValueError("train_tokenizer: the corpus is empty")
+    return _wrap(_train_json(lines, vocab_size, special), chat_template)
+
+
+def _wrap(tokenizer_json: str, chat_template: str | None) -> Any:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    if vocab_size < len(SPECIAL_TOKENS) + 100:
-        raise ValueError(f"builtin tokenizer vocab_size must be >= 104, got {vocab_size}")
-    tok = Tokenizer.from_str(_trained_json(vocab_size))
+    kwargs = {} if chat_template is None else {"chat_template": chat_template}
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=Tokenizer.from_str(tokenizer_json),
         pad_token=PAD,
         eos_token=EOS,
         bos_token=BOS,
         unk_token=UNK,
         padding_side="left",
         model_max_length=512,
+        **kwargs,
     )

@@ -1,7 +1,10 @@
 """The `sft` data source: supervised (prompt, response) pairs for the actor's `sft_update`.
 
 Records come from a built-in task (`task:NAME`: the task's ideal responses) or a file /
-datasets directory whose rows hold `prompt` and `response` strings (keys configurable).
+datasets directory whose rows hold a prompt and a response (keys configurable). The
+prompt is a string or a list of chat messages, as in the RL prompt source; a verl RL
+record (`prompt`: messages, the worked solution at `extra_info.answer`) works as is with
+`response_key: extra_info.answer` (a dotted path into nested fields).
 Each step is `size` pairs in a seeded order, collated to the RL batch layout
 (hybridflow.data.batching.collate_sft), so SFT is the same actor on the same tensors:
 
@@ -11,24 +14,30 @@ Each step is `size` pairs in a seeded order, collated to the RL batch layout
 
 Options: source (required), tokenizer ("builtin" / a directory) or model (use that
 model's tokenizer), task_size (pairs generated for task sources, 1024), prompt_key
-("prompt"), response_key ("response"), shuffle (true).
+("prompt"), response_key ("response"; dotted: "extra_info.answer"), chat_template
+("auto" | "never"), max_prompt_length (256), truncation ("error"), split, shuffle (true).
 
-Invariant: deterministic in (seed, step), like the RL prompt sources: row k of the run
-is row k mod N of the seeded permutation of epoch k // N, so a resumed run continues
-exactly where it stopped.
+Invariants:
+  - a prompt becomes exactly the token ids the RL prompt source gives the same record
+    with the same options: both go through data/prompts.py `make_item` (chat template
+    when the tokenizer has one and chat_template is "auto"; the same length check), so
+    a policy fine-tuned here is trained on the prompts RL will sample it on;
+  - deterministic in (seed, step), like the RL prompt sources: row k of the run is row
+    k mod N of the seeded permutation of epoch k // N, so a resumed run continues
+    exactly where it stopped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from hybridflow.config.loader import from_dict
 from hybridflow.data.batching import collate_sft
-from hybridflow.data.prompts import epoch_order
+from hybridflow.data.prompts import DataOptions, epoch_order, make_item, uses_template
 from hybridflow.data.sources import load_records
 from hybridflow.errors import ConfigError
 
@@ -42,7 +51,11 @@ class SFTOptions:
     model: str | None = None
     task_size: int = 1024
     prompt_key: str = "prompt"
-    response_key: str = "response"
+    response_key: str = "response"  # a field name, or a dotted path: "extra_info.answer"
+    chat_template: Literal["auto", "never"] = "auto"  # as DataOptions: the RL prompts'
+    max_prompt_length: int = 256  # tokens; as DataOptions
+    truncation: Literal["error", "left", "right"] = "error"
+    split: str | None = None  # for a datasets directory with several splits
     shuffle: bool = True
 
     def validate(self, path: str) -> None:
@@ -54,6 +67,18 @@ class SFTOptions:
             )
         if self.task_size < 1:
             raise ConfigError(f"{path}.task_size", f"must be >= 1, got {self.task_size}")
+        if self.max_prompt_length < 1:
+            raise ConfigError(f"{path}.max_prompt_length", "must be >= 1")
+
+    def prompt_options(self) -> DataOptions:
+        """The RL prompt options these stand for (make_item's view of them)."""
+        return DataOptions(
+            source=self.source,
+            prompt_key=self.prompt_key,
+            max_prompt_length=self.max_prompt_length,
+            truncation=self.truncation,
+            chat_template=self.chat_template,
+        )
 
 
 class SFTExamples:
@@ -81,21 +106,23 @@ class SFTExamples:
                     f"unknown built-in task {name!r}; known: {', '.join(TASKS)}",
                 )
             records = TASKS[name].sft_examples(opts.task_size, seed)
-            pk, rk = "prompt", "response"
+            opts.prompt_key, opts.response_key = "prompt", "response"
         else:
-            records = load_records(opts.source, path="data.options.source")
-            pk, rk = opts.prompt_key, opts.response_key
+            records = load_records(opts.source, split=opts.split, path="data.options.source")
+        if not records:
+            raise ConfigError("data.options.source", f"{opts.source!r} holds no records")
+        prompt_opts = opts.prompt_options()
+        template = uses_template(self.tokenizer, prompt_opts)
         self.pairs = []
         for i, rec in enumerate(records):
-            p, r = rec.get(pk), rec.get(rk)
-            if not isinstance(p, str) or not isinstance(r, str):
+            response = field_at(rec, opts.response_key)
+            if not isinstance(response, str):
                 raise ConfigError(
-                    "data.options.source",
-                    f"row {i} needs string fields {pk!r} and {rk!r} (has {sorted(rec)})",
+                    "data.options.response_key",
+                    f"row {i} has no string at {opts.response_key!r} (fields: {sorted(rec)})",
                 )
-            self.pairs.append({"prompt": p, "response": r})
-        if not self.pairs:
-            raise ConfigError("data.options.source", f"{opts.source!r} holds no records")
+            item = make_item(i, rec, self.tokenizer, prompt_opts, template, "data.options")
+            self.pairs.append({"prompt_ids": item.prompt_ids, "response": response})
         self._orders: dict[int, list[int]] = {}
 
     def _row(self, k: int) -> int:
@@ -117,3 +144,16 @@ class SFTExamples:
 
     def close(self) -> None:
         pass
+
+
+def field_at(record: Mapping[str, Any], key: str) -> Any:
+    """`record[key]`, or for a dotted key ("extra_info.answer") the nested value; None
+    when absent. A key that exists as written wins over its dotted reading."""
+    if key in record:
+        return record[key]
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
