@@ -1,4 +1,4 @@
-"""`hybridflow` command line: run | validate | bench | reward-serve | demo.
+"""`hybridflow` command line: run | validate | eval | bench | reward-serve | demo.
 
 Each subcommand's implementation is imported only when it is used, so `--help` and
 `validate` stay fast and never import torch unless they must.
@@ -85,6 +85,20 @@ def _parser() -> argparse.ArgumentParser:
         "(default: installed packages and PYTHONPATH only)",
     )
 
+    e = sub.add_parser(
+        "eval", help="evaluate a policy on the config's validation set and print JSON"
+    )
+    config_args(e)
+    e.add_argument(
+        "--checkpoint",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="DIR|latest",
+        help="the policy to evaluate: 'latest' under checkpoint.save_dir, a checkpoint "
+        "directory or a save directory (default: the config's initial models)",
+    )
+
     b = sub.add_parser("bench", help="run a benchmark and print one JSON object")
     b.add_argument("what", choices=BENCHES)
     b.add_argument("--json", action="store_true", help="print JSON only (default: JSON too)")
@@ -115,6 +129,7 @@ def _call(target: str, args: argparse.Namespace) -> int:
 COMMANDS = {
     "run": "hybridflow.pipeline.runtime.runner:cli_run",
     "validate": "hybridflow.pipeline.runtime.runner:cli_validate",
+    "eval": "hybridflow.pipeline.runtime.evaluate:cli_eval",
     "reward-serve": "hybridflow.reward.server:cli_serve",
     "demo": "hybridflow.demo:cli_demo",
 }

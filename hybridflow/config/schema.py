@@ -405,6 +405,58 @@ class CheckpointConfig:
         _at_least(self.keep_last, 0, _join(path, "keep_last"))
 
 
+@dataclass(frozen=True)
+class ValidationConfig:
+    """Held-out evaluation between training steps (pipeline/runtime/validation.py).
+
+    The same stage processes run the dataflow's generate and score ops (no update) on
+    `source`, read through the training data source's options (tokenizer, prompt_key,
+    chat template, ...), with the sampling overrides below; the metrics carry a `val/`
+    prefix and go to the run's sinks at the step they describe (the policy after that
+    many updates): `val/reward/mean`, `val/<data_source>/<metric>/mean` for the reward and
+    each scorer metric, with n > 1 also `mean@n`, `best@n` and (when the scorer returns
+    `pred`) `maj@n`; `val/response_length/mean`."""
+
+    source: str = ""  # a .jsonl / .json / .parquet file, a datasets directory, task:NAME
+    interval: int = 0  # steps between validations; 0: only before/after training
+    before_train: bool = True  # validate the initial policy (verl's val_before_train)
+    after_train: bool = True  # and the final one
+    max_prompts: int = 0  # the first N prompts of the source; 0: all of them
+    temperature: float = 0.0  # 0 = greedy (verl's val_kwargs default)
+    top_p: float = 1.0
+    n: int = 1  # samples per prompt; > 1 needs temperature > 0
+    max_new_tokens: int | None = None  # None: the rollout's own
+    micro_batch: int = 0  # samples per micro-batch; 0: run.micro_batch (a multiple of n)
+    generations: int = 0  # samples written to <run_dir>/val_generations.jsonl per validation
+    split: str | None = None  # for a datasets directory with several splits
+
+    def validate(self, path: str) -> None:
+        _require(
+            bool(self.source),
+            _join(path, "source"),
+            "is required: a file, a directory or task:NAME",
+        )
+        for key in ("interval", "max_prompts", "micro_batch", "generations"):
+            _at_least(getattr(self, key), 0, _join(path, key))
+        _at_least(self.n, 1, _join(path, "n"))
+        _at_least(self.temperature, 0, _join(path, "temperature"))
+        _require(0 < self.top_p <= 1, _join(path, "top_p"), f"must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens is not None:
+            _at_least(self.max_new_tokens, 1, _join(path, "max_new_tokens"))
+        if self.n > 1 and self.temperature == 0:
+            raise ConfigError(
+                _join(path, "n"),
+                f"is {self.n}, but greedy decoding (temperature 0) gives {self.n} identical "
+                "samples; set validation.temperature > 0 for mean@n / best@n / maj@n",
+            )
+        if self.micro_batch and self.micro_batch % self.n:
+            raise ConfigError(
+                _join(path, "micro_batch"),
+                f"{self.micro_batch} is not a multiple of validation.n {self.n} "
+                "(a prompt's samples stay in one micro-batch)",
+            )
+
+
 MAX_SEED = (1 << 63) - 1  # torch, NumPy and the data sources take a 64-bit seed
 
 
@@ -424,6 +476,7 @@ class Topology:
     log_level: str = "WARNING"
     run_dir: str = ""  # "" = runs/<name>
     checkpoint: CheckpointConfig | None = None  # None: no checkpoints
+    validation: ValidationConfig | None = None  # None: no held-out evaluation
 
     def validate(self, path: str) -> None:
         _require(

@@ -34,12 +34,15 @@ class DataOptions:
     split: str | None = None  # for a datasets directory with several splits
     task_size: int = 1024  # prompts generated for task:NAME sources
     shuffle: bool = True
+    limit: int = 0  # only the first N records of the source (in its order); 0: all
 
     def validate(self, path: str) -> None:
         if not self.source:
             raise ConfigError(f"{path}.source", "is required: a file, a directory or task:NAME")
         if self.max_prompt_length < 1:
             raise ConfigError(f"{path}.max_prompt_length", "must be >= 1")
+        if self.limit < 0:
+            raise ConfigError(f"{path}.limit", f"must be >= 0 (0: every record), got {self.limit}")
 
 
 @dataclass
@@ -73,7 +76,7 @@ class PromptDataset:
         records = load_records(
             opts.source, size=opts.task_size, seed=seed, split=opts.split, path=f"{path}.source"
         )
-        return cls(records, tokenizer, opts, path)
+        return cls(records[: opts.limit] if opts.limit else records, tokenizer, opts, path)
 
     def __len__(self) -> int:
         return len(self.items)

@@ -31,8 +31,6 @@ import concurrent.futures
 import functools
 import inspect
 import logging
-import math
-import numbers
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -48,6 +46,7 @@ from hybridflow.reward.schema import (
     decode_request,
     encode,
 )
+from hybridflow.reward.values import BadReward, reward_list
 
 log = logging.getLogger("hybridflow.reward.server")
 
@@ -165,23 +164,13 @@ class RewardApp:
         )
 
     def _check(self, out: object, n: int) -> list[float]:
-        def bad(what: str) -> RequestRejected:
-            return RequestRejected(500, f"reward function {self.name} returned {what}")
-
+        """The one value check (hybridflow/reward/values.py): n finite float32 numbers;
+        a dict, a string or 1e39 is a 500 naming the function, never a reward."""
         try:
-            values = list(out)  # type: ignore[call-overload]
-        except TypeError:
-            raise bad(f"{type(out).__name__}, expected a list of {n} floats") from None
-        if len(values) != n:
-            raise bad(f"{len(values)} values for {n} items")
-        result = []
-        for k, v in enumerate(values):
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
-                raise bad(f"{type(v).__name__} {v!r} at index {k}, expected a float")
-            if not math.isfinite(float(v)):
-                raise bad(f"{v} at index {k}; rewards must be finite")
-            result.append(float(v))
-        return result
+            return reward_list(out, n)
+        except BadReward as exc:
+            what = exc.why if exc.index < 0 else f"{exc.value} at index {exc.index}; {exc.why}"
+            raise RequestRejected(500, f"reward function {self.name} returned {what}") from None
 
     async def aclose(self) -> None:
         pending = [entry[1] for entry in self._cache.values() if not entry[1].done()]

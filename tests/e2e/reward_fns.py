@@ -16,3 +16,13 @@ def fails_on_a_seven(prompts, responses, prompt_ids, response_ids, metadata):
         if "7" in p:
             raise ValueError(f"cannot score prompt {p!r}")
     return [0.0] * len(responses)
+
+
+def verl_last_digit(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's signature on the verl-format fixture: the nested record fields must arrive
+    intact (a KeyError here fails the run), the reward is exact-match with a `pred`."""
+    assert extra_info["nested"] == {"tags": ["a", "b"], "depth": {"k": 1}}, extra_info
+    assert data_source == "test/last_digit", data_source
+    pred = solution_str.strip()[:1]
+    acc = float(pred == ground_truth)
+    return {"score": acc, "acc": acc, "pred": pred, "digit": float(pred.isdigit())}

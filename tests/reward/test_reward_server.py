@@ -93,13 +93,23 @@ def text(prompts, *a, **k):
     return ["1"] * len(prompts)
 
 
+def a_dict(prompts, *a, **k):
+    return {"score": [1.0] * len(prompts)}
+
+
+def huge(prompts, *a, **k):
+    return [0.0, 1e39][: len(prompts)]
+
+
 @pytest.mark.parametrize(
     ("fn", "needle"),
     [
         (raises, "raised RuntimeError: sandbox exploded"),
-        (short, "returned 1 values for 2 items"),
-        (nan, "returned nan at index 0"),
-        (text, "returned str '1' at index 0"),
+        (short, "returned 1 values for 2 samples"),
+        (nan, "returned nan at index 0; rewards must be finite"),
+        (text, "returned '1' at index 0; str, expected a number"),
+        (a_dict, "returned a dict with keys ['score'], expected a list of 2 numbers"),
+        (huge, "returned 1e+39 at index 1; beyond float32's range"),
     ],
 )
 async def test_function_errors_are_500_with_the_message(fn, needle, caplog):

@@ -172,3 +172,15 @@ def test_option_errors():
         _role("verl_exact", failure_score=float("nan"))
     with pytest.raises(ConfigError, match=r"options\.ground_truth_key"):
         _role("verl_exact", ground_truth_key="a..b")
+
+
+def test_a_builtin_scorer_by_name_and_an_unknown_one():
+    role = make_role(FunctionReward, "reward", {"scorer": "gsm8k", "tokenizer": "builtin"})
+    meta = [_record("42"), _record("42")]
+    out, metrics = role.handle("score", _batch(["so #### 42", "#### 41"], meta), {})
+    assert out["rewards"].tolist() == [1.0, 0.0] and metrics["reward/acc"] == 0.5
+    assert [i["pred"] for i in decode_metadata(out["reward_info"])] == ["42", "41"]
+    with pytest.raises(
+        ConfigError, match=r"options\.scorer: unknown scorer 'gsmk8'.*did you mean 'gsm8k'"
+    ):
+        make_role(FunctionReward, "reward", {"scorer": "gsmk8", "tokenizer": "builtin"})

@@ -68,6 +68,7 @@ from hybridflow.config.schema import (
     OpConfig,
     RunConfig,
     Topology,
+    ValidationConfig,
 )
 from hybridflow.errors import ConfigError
 from hybridflow.pipeline.checkpoint import store as ckpt
@@ -84,6 +85,7 @@ if TYPE_CHECKING:
     from hybridflow.pipeline.api.builder import DataflowBuilder
     from hybridflow.pipeline.runtime.coordinator import RunResult
     from hybridflow.pipeline.runtime.session import Session
+    from hybridflow.pipeline.runtime.validation import Validator
 
 
 @dataclass
@@ -95,6 +97,7 @@ class TrainResult:
     outputs: dict[str, list[float]] = field(default_factory=dict)
     checkpoint: str = ""  # the checkpoint the call ended with
     run_dir: str = ""
+    validation: list[dict[str, float]] = field(default_factory=list)  # val/ rows, step incl.
 
 
 _SFT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
@@ -129,6 +132,7 @@ class Engine:
         self.history: list[dict[str, float]] = []
         self._session: Session | None = None
         self._cache: _Declared | None = None
+        self._last_validation: dict[str, Any] | None = None  # train(validation=)'s
 
     # -- life time ------------------------------------------------------------------------
     def close(self) -> None:
@@ -209,12 +213,20 @@ class Engine:
         save_path: str | Path | None = None,
         save_interval: int | None = None,
         keep_last: int | None = None,
+        validation: dict[str, Any] | ValidationConfig | None = None,
     ) -> TrainResult:
         """Run `steps` RL steps on `dataset` (a built-in task name such as "last_digit",
         "task:NAME", a .jsonl/.json/.parquet file or datasets directory, a list of
         prompt strings / records, or a torch Dataset / IterableDataset or Hugging Face
         Dataset / IterableDataset of records, read lazily in this process), continuing
-        from the engine's state."""
+        from the engine's state.
+
+        `validation`: the YAML `validation:` section as a dict (or ValidationConfig):
+        `{"source": test_set, "interval": 10, "before_train": True, "temperature": 0.0,
+        "n": 1, "max_new_tokens": ..., "generations": 4, ...}`; `source` takes what
+        `dataset` takes but objects. The held-out set is evaluated on the same processes
+        at the steps it names (the policy after that many updates); the `val/` rows go
+        to the metrics sinks and `TrainResult.validation`."""
         if save_path is not None:
             self.save_checkpoint(
                 save_path, save_interval or 0, 3 if keep_last is None else keep_last
@@ -236,15 +248,57 @@ class Engine:
                 base,
                 run=dataclasses.replace(base.run, steps=self.step + steps),
                 data=self._with_source(base, dataset),
+                validation=self._validation(validation),
             )
         )
         plan = build_plan(topo, check_devices=True)
         restore_stream_state(topo, self.state)  # an HF stream resumes from its own state
-        # The job's processes are the training topology's: its plan launches them too.
-        res = self._job(plan, plan, self.step, self._checkpointer(self.step + steps - 1))
+        validator = self._validator(topo)
+        try:
+            # The job's processes are the training topology's: its plan launches them too.
+            res = self._job(
+                plan,
+                plan,
+                self.step,
+                self._checkpointer(self.step + steps - 1),
+                validator=validator,
+            )
+        finally:
+            if validator is not None:
+                validator.close()
         save_stream_states(topo, res.checkpoints)
         self.step += steps
         return self._result(res, topo, declared.compiled)
+
+    def validate(self, dataset: Any = None, **settings: Any) -> dict[str, float]:
+        """Evaluate the current policy on a held-out set, without training: `dataset`
+        (what `train` takes but objects; default: the last `train` call's validation
+        source) and any `validation:` setting (`temperature`, `n`, `max_prompts`, ...)
+        -> the `val/` metrics, at the engine's current step."""
+        given = dict(self._last_validation or {})
+        given.update(settings)
+        if dataset is not None:
+            given["source"] = dataset
+        if "source" not in given:
+            raise ConfigError("dataset", "give the held-out set to validate on")
+        given.update(before_train=True, after_train=False, interval=0)
+        declared = self._declared()
+        topo = _validated(
+            dataclasses.replace(declared.topology, validation=self._validation(given))
+        )
+        plan = build_plan(topo, check_devices=True)
+        validator = self._validator(topo)
+        assert validator is not None
+        try:
+            session = self._session_for(plan, None)
+            try:
+                metrics, _ = validator.run(session, self.step)
+            except BaseException:
+                self._session = None  # the session closed itself; the next call restarts
+                raise
+        finally:
+            validator.close()
+        return metrics
 
     def sft(
         self,
@@ -436,13 +490,38 @@ class Engine:
         checkpointer: ckpt.Checkpointer | None,
         *,
         collect: Sequence[str] = (),
+        validator: Validator | None = None,
     ) -> RunResult:
         """Run `plan` as a job on the processes that are up, starting them first (from
         `launch`, else the training topology's plan) if none are up or they do not fit."""
-        from hybridflow.pipeline.runtime.runner import check_start, honour_log_level
-        from hybridflow.pipeline.runtime.session import Session
+        from hybridflow.pipeline.runtime.runner import check_start
 
         check_start(plan.topology, start)
+        session = self._session_for(plan, launch)
+        try:
+            if validator is None:
+                res = session.run_job(
+                    plan,
+                    collect=tuple(collect),
+                    start_step=start,
+                    checkpointer=checkpointer,
+                    driver_state=self.state,
+                )
+            else:
+                res = self._validated_job(session, plan, start, checkpointer, validator)
+        except BaseException:
+            self._session = None  # the session closed itself; the next call restarts
+            raise
+        if res.checkpoints:
+            self.state = res.checkpoints[-1]
+        return res
+
+    def _session_for(self, plan: Plan, launch: Plan | None) -> Session:
+        """The session a job of `plan` runs on: the one that is up if it fits, else a new
+        one launched from `launch` (else the training topology's plan)."""
+        from hybridflow.pipeline.runtime.runner import honour_log_level
+        from hybridflow.pipeline.runtime.session import Session
+
         session = self._session
         if session is not None and session.mismatch(plan.topology):
             self.close()  # e.g. sft(lr=...): other actor options than the processes have
@@ -454,20 +533,61 @@ class Engine:
             honour_log_level(launch.topology.log_level)
             session = Session(launch, launcher=self.launcher, resume_dir=self.state)
             self._session = session
+        return session
+
+    def _validated_job(
+        self,
+        session: Session,
+        plan: Plan,
+        start: int,
+        checkpointer: ckpt.Checkpointer | None,
+        validator: Validator,
+    ) -> RunResult:
+        """Training steps cut at the validation points (pipeline/runtime/training.py),
+        one set of metrics sinks for the whole call."""
+        import contextlib
+
+        from hybridflow.pipeline.observe.metrics import make_sinks
+        from hybridflow.pipeline.runtime.session import run_dir_of
+        from hybridflow.pipeline.runtime.training import run_training
+
+        topo = plan.topology
+        sinks = make_sinks(topo.metrics.backends, run_dir_of(topo), topo, start)
         try:
-            res = session.run_job(
+            return run_training(
+                session,
                 plan,
-                collect=tuple(collect),
                 start_step=start,
+                sinks=sinks,
                 checkpointer=checkpointer,
                 driver_state=self.state,
+                validator=validator,
             )
-        except BaseException:
-            self._session = None  # the session closed itself; the next call restarts
-            raise
-        if res.checkpoints:
-            self.state = res.checkpoints[-1]
-        return res
+        finally:
+            for sink in sinks:
+                with contextlib.suppress(Exception):
+                    sink.close()
+
+    def _validation(
+        self, given: dict[str, Any] | ValidationConfig | None
+    ) -> ValidationConfig | None:
+        """`train(validation=...)` -> the topology's ValidationConfig (a dataset `source`
+        as `train` takes it); remembered for `validate()`."""
+        if given is None:
+            return None
+        if isinstance(given, ValidationConfig):
+            given = to_dict(given)
+        values = dict(given)
+        if "source" in values:
+            values["source"] = dataset_source(values["source"], self.log_dir)
+        self._last_validation = dict(values)
+        return from_dict(ValidationConfig, values, "validation")
+
+    def _validator(self, topo: Topology) -> Validator | None:
+        from hybridflow.pipeline.runtime.session import run_dir_of
+        from hybridflow.pipeline.runtime.validation import Validator
+
+        return Validator(topo, run_dir_of(topo)) if topo.validation is not None else None
 
     def _result(self, res: RunResult, topo: Topology, compiled: CompiledStep) -> TrainResult:
         rows = [dict(m) for m in res.metrics]
@@ -477,7 +597,11 @@ class Engine:
             if out.metric:
                 outputs[name] = [row.get(out.metric, math.nan) for row in rows]
         return TrainResult(
-            rows, outputs, res.checkpoints[-1] if res.checkpoints else "", str(topo.run_dir)
+            rows,
+            outputs,
+            res.checkpoints[-1] if res.checkpoints else "",
+            str(topo.run_dir),
+            validation=[dict(v) for v in res.validation],
         )
 
 

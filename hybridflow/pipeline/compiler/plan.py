@@ -228,6 +228,12 @@ def _check_ops(topo: Topology, classes: dict[str, type]) -> None:
         )
 
 
+def role_classes(topo: Topology) -> dict[str, type]:
+    """Role name -> its backend class (imported, not constructed), after the checks of
+    `build_plan` on backends and ops: what the runtime asks about a role's ops."""
+    return _check_backends(topo)
+
+
 def trainer_stages(topo: Topology) -> set[str]:
     """Stages hosting a trainable role: their checkpointed weights are rank-count free
     (DCP shards, stages/parallel/checkpoint.py), so a resume may change their replicas."""

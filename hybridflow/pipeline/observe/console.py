@@ -5,8 +5,9 @@
 
 A rich progress bar over the run's steps (started when the sink is built, so the
 startup shows as elapsed time), one line of key metrics per finished step printed above
-it, and at close a summary: steps done, the first-10% / last-10% mean reward, and the
-files the other sinks wrote (metrics.jsonl, TensorBoard, plot.png). `CLOSE_LAST` makes
+it, a `val` line for each validation row (the bar does not move for those), and at
+close a summary: steps done, the first-10% / last-10% mean reward, the first and last
+validation reward, and the files the other sinks wrote (metrics.jsonl, TensorBoard, plot.png). `CLOSE_LAST` makes
 the runtime close it after those sinks, so the files exist when it names them.
 
 Called from the coordinator's io thread; rich's Progress is thread-safe.
@@ -30,6 +31,8 @@ from rich.progress import (
 )
 
 from hybridflow.pipeline.observe.plot import PLOT_FILE, reward_summary
+from hybridflow.pipeline.observe.validation import PREFIX as VAL_PREFIX
+from hybridflow.pipeline.observe.validation import is_validation_row
 
 if TYPE_CHECKING:
     from hybridflow.config.schema import Topology
@@ -62,6 +65,26 @@ def metrics_line(step: int, m: dict[str, float]) -> str:
     return "  ".join(parts)
 
 
+def validation_line(step: int, m: dict[str, float]) -> str:
+    """`val  step   10  reward 0.432  openai/gsm8k acc 0.410  len 87.2  3.1s`: the mean
+    reward, then each data source's scorer means (reward aside), length and time."""
+    parts = [f"val  step {step:>4}"]
+    if math.isfinite(m.get("val/reward/mean", math.nan)):
+        parts.append(f"reward {m['val/reward/mean']:.3f}")
+    for key, v in m.items():
+        name = key.removeprefix(VAL_PREFIX)
+        if not name.endswith("/mean") or name.count("/") < 2 or not math.isfinite(v):
+            continue
+        source, metric = name.removesuffix("/mean").rsplit("/", 1)
+        if metric != "reward":
+            parts.append(f"{source} {metric} {v:.3f}")
+    if math.isfinite(m.get("val/response_length/mean", math.nan)):
+        parts.append(f"len {m['val/response_length/mean']:.1f}")
+    if "val/time_s" in m:
+        parts.append(f"{m['val/time_s']:.1f}s")
+    return "  ".join(parts)
+
+
 class ConsoleSink:
     CLOSE_LAST = True
 
@@ -72,6 +95,7 @@ class ConsoleSink:
         self.backends = tuple(topology.metrics.backends) if topology is not None else ()
         self.console = Console(highlight=False, soft_wrap=True)
         self.rows: list[dict[str, float]] = []
+        self.val_rows: list[dict[str, float]] = []
         self._t0 = time.perf_counter()
         name = topology.name if topology is not None else "run"
         self.progress = Progress(
@@ -88,6 +112,10 @@ class ConsoleSink:
         self.progress.start()
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        if is_validation_row(metrics):  # between steps: a line, the bar does not move
+            self.val_rows.append({"step": float(step), **metrics})
+            self.progress.console.print(validation_line(step, metrics))
+            return
         self.rows.append({"step": float(step), **metrics})
         self.progress.console.print(metrics_line(step, metrics))
         live = ""
@@ -105,6 +133,13 @@ class ConsoleSink:
         summary = reward_summary(self.rows)
         if summary is not None:
             self.console.print(summary.text())
+        val = [r for r in self.val_rows if math.isfinite(r.get("val/reward/mean", math.nan))]
+        if val:
+            first, last = val[0], val[-1]
+            self.console.print(
+                f"val/reward/mean: step {first['step']:.0f} {first['val/reward/mean']:.3f} -> "
+                f"step {last['step']:.0f} {last['val/reward/mean']:.3f} ({len(val)} validations)"
+            )
         files = {
             "metrics": self.run_dir / "metrics.jsonl" if "jsonl" in self.backends else None,
             "tensorboard": self.run_dir if "tensorboard" in self.backends else None,

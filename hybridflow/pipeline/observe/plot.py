@@ -2,7 +2,8 @@
 
 Consumes metric rows (one dict per step, `step` included: what the sinks receive);
 produces `<run_dir>/plot.png` with three panels over steps — reward (mean, with a
-+-std band when present), response length, and KL to the reference
++-std band when present, and the validation reward `val/reward/mean` where the run
+validated), response length, and KL to the reference
 (`actor/kl`, or `reward/kl` where the KL is a reward penalty) — and `reward_summary`,
 the first-10% / last-10% mean reward that the console and the demo print.
 
@@ -78,6 +79,9 @@ def plot_run(rows: Sequence[Row], path: Path, title: str = "") -> Path | None:
         lo = [m - s for m, s in zip(mean, std, strict=True)]
         hi = [m + s for m, s in zip(mean, std, strict=True)]
         ax_r.fill_between(x, lo, hi, color="tab:blue", alpha=0.15, label="+-std")
+    vx, vv = _series(rows, "val/reward/mean")  # validation rows, at the steps they describe
+    if vx:
+        ax_r.plot(vx, vv, color="tab:orange", marker="o", markersize=4, label="validation")
     summary = reward_summary(rows)
     if summary is not None:
         ax_r.set_title(f"reward  {summary.first:.2f} -> {summary.last:.2f} (first/last 10%)")

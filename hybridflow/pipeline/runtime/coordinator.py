@@ -106,6 +106,7 @@ class RunResult:
     tasks: int  # tasks completed (a step op on N replicas counts N)
     exits: list[Any] = field(default_factory=list)  # launcher ProcessExit list
     checkpoints: list[str] = field(default_factory=list)  # directories committed, in order
+    validation: list[dict[str, float]] = field(default_factory=list)  # val/ rows, `step` incl.
 
 
 class Coordinator:
@@ -125,6 +126,7 @@ class Coordinator:
         peers: dict[bytes, StagePeer] | None = None,
         config_hash: str | None = None,
         secret: bytes = b"",
+        drivers: dict[int, Any] | None = None,
     ) -> None:
         self.plan = plan
         self.topo = plan.topology
@@ -161,15 +163,21 @@ class Coordinator:
         self.refused = 0  # Hellos refused (no valid proof, unknown stage, already connected)
         self.metrics: list[dict[str, float]] = []
         self.tasks_done = 0
-        self._drivers = {
-            op.index: resolve_driver_op(
-                op.cfg.op, f"dataflow[{op.index}].op", topology=self.topo, index=op.index
+        # A run cut into jobs (training between validations) hands its driver ops on:
+        # their state (an adaptive KL coefficient) is the run's, not the job's.
+        self._drivers = drivers if drivers is not None else {}
+        if not self._drivers:
+            self._drivers.update(
+                {
+                    op.index: resolve_driver_op(
+                        op.cfg.op, f"dataflow[{op.index}].op", topology=self.topo, index=op.index
+                    )
+                    for op in plan.ops
+                    if op.stage is None
+                }
             )
-            for op in plan.ops
-            if op.stage is None
-        }
-        if resume_dir:  # driver ops with state (e.g. an adaptive KL coefficient)
-            load_drivers(self._drivers, Path(resume_dir))
+            if resume_dir:  # driver ops with state (e.g. an adaptive KL coefficient)
+                load_drivers(self._drivers, Path(resume_dir))
         # Daemon threads: Ctrl-C/SIGTERM must end the process within seconds even while
         # a driver op or a data source is busy in them (a pool thread would be joined at
         # interpreter exit, however long it runs).

@@ -30,6 +30,7 @@ propagate as HybridflowError (the CLI prints one line and exits 2; Ctrl-C exits 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -46,10 +47,12 @@ from hybridflow.errors import ConfigError, StageError
 from hybridflow.pipeline.checkpoint import store as ckpt
 from hybridflow.pipeline.checkpoint.store import Checkpointer
 from hybridflow.pipeline.compiler.plan import build_plan, describe, describe_text, trainer_stages
-from hybridflow.pipeline.observe.metrics import MetricsSink
+from hybridflow.pipeline.observe.metrics import MetricsSink, make_sinks
 from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.launcher import Launcher
 from hybridflow.pipeline.runtime.session import STAGE_ENTRY, Session, places_hosts, run_dir_of
+from hybridflow.pipeline.runtime.training import run_training
+from hybridflow.pipeline.runtime.validation import Validator
 
 __all__ = [
     "STAGE_ENTRY",
@@ -87,17 +90,29 @@ def run_topology(
     if checkpointer is None and topo.checkpoint is not None:
         checkpointer = topology_checkpointer(topo)
     honour_log_level(topo.log_level)
+    # Validation's source is read (and a missing file named) before any process starts.
+    validator = Validator(topo, run_dir_of(topo)) if topo.validation is not None else None
     session = Session(plan, launcher=launcher, run_id=run_id, resume_dir=resume_dir)
+    all_sinks: list[MetricsSink] = []
     try:
-        result = session.run_job(
+        all_sinks = make_sinks(topo.metrics.backends, run_dir_of(topo), topo, start_step)
+        all_sinks += list(sinks)
+        result = run_training(
+            session,
             plan,
-            collect=collect,
-            sinks=sinks,
             start_step=start_step,
+            sinks=all_sinks,
             checkpointer=checkpointer,
             driver_state=resume_dir,
+            collect=collect,
+            validator=validator,
         )
     finally:
+        for sink in all_sinks:
+            with contextlib.suppress(Exception):
+                sink.close()
+        if validator is not None:
+            validator.close()
         exits = session.close("run finished")
     result.exits = exits
     return result
@@ -160,11 +175,25 @@ def resume_point(topo: Topology, spec: str) -> tuple[str, int]:
     roles: each process restores its own part; a stage that trains may change its number
     of ranks, its weights being DCP shards) and seed (the data order and samplers derive
     from it), and must leave a step to run."""
+    path, meta = checkpoint_of(topo, spec, "--resume")
+    step = int(meta["step"])
+    if step >= topo.run.steps:
+        raise ConfigError(
+            "run.steps",
+            f"is {topo.run.steps}, and checkpoint {str(path)!r} already holds {step} "
+            "step(s): nothing left to run; raise run.steps to train further",
+        )
+    return str(path), step
+
+
+def checkpoint_of(topo: Topology, spec: str, key: str) -> tuple[Path, dict[str, Any]]:
+    """`DIR|latest` -> (checkpoint directory, its meta), checked to fit `topo`'s stages
+    and seed (see `resume_point`); errors name `key` (the flag that gave `spec`)."""
     try:
         path = ckpt.resolve(spec, checkpoint_dir(topo))
         meta = ckpt.read_meta(path)
     except ConfigError as exc:
-        raise ConfigError("--resume", str(exc).removeprefix(f"{exc.path}: ")) from None
+        raise ConfigError(key, str(exc).removeprefix(f"{exc.path}: ")) from None
     config = meta.get("config") or {}
     theirs = ckpt.stage_layout(config.get("stages") or {})
     ours = ckpt.stage_layout(to_dict(topo.stages))
@@ -173,7 +202,7 @@ def resume_point(topo: Topology, spec: str) -> tuple[str, int]:
             theirs[stage] = (ours[stage][0], theirs[stage][1])
     if theirs != ours:
         raise ConfigError(
-            "--resume",
+            key,
             f"{str(path)!r} was written by stages {theirs}; this topology has {ours} "
             "(a checkpoint resumes the same roles on the same processes)",
         )
@@ -183,14 +212,7 @@ def resume_point(topo: Topology, spec: str) -> tuple[str, int]:
             f"is {topo.seed}, but checkpoint {str(path)!r} was written with seed "
             f"{meta.get('seed')}; resume with the seed the run started with",
         )
-    step = int(meta["step"])
-    if step >= topo.run.steps:
-        raise ConfigError(
-            "run.steps",
-            f"is {topo.run.steps}, and checkpoint {str(path)!r} already holds {step} "
-            "step(s): nothing left to run; raise run.steps to train further",
-        )
-    return str(path), step
+    return path, meta
 
 
 def check_start(topo: Topology, start_step: int) -> None:
@@ -230,6 +252,7 @@ def cli_validate(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     topo = _load(args)
     plan = build_plan(topo)
+    validation = describe_validation(topo)
     note = ""
     try:
         build_plan(topo, check_devices=True)
@@ -237,15 +260,41 @@ def _validate(args: argparse.Namespace) -> int:
         note = f"note: cannot run on this machine: {exc}"
     if getattr(args, "json", False):
         out: dict[str, Any] = describe(plan)
+        if validation:
+            out["validation"] = validation
         if note:
             out["note"] = note
         print(json.dumps(out, indent=2))
     else:
         print(describe_text(plan))
+        if validation:
+            ops = ", ".join(validation["ops"])
+            print(
+                f"validation: {validation['prompts']} prompts x {validation['n']} from "
+                f"{validation['source']}, {ops}"
+            )
         if note:
             print(note)
         print("ok")
     return 0
+
+
+def describe_validation(topo: Topology) -> dict[str, Any]:
+    """The validation job `topo` declares, checked as a run would (its source read and
+    tokenized, its dataflow planned); {} without a validation: section."""
+    if topo.validation is None:
+        return {}
+    validator = Validator(topo, run_dir_of(topo))
+    try:
+        return {
+            "source": topo.validation.source,
+            "prompts": validator.prompts,
+            "n": topo.validation.n,
+            "ops": [op.label for op in validator.topology.dataflow],
+            "interval": topo.validation.interval,
+        }
+    finally:
+        validator.close()
 
 
 def cli_run(args: argparse.Namespace) -> int:

@@ -72,7 +72,7 @@ from hybridflow.pipeline.runtime.launcher import (
     ProcessSpec,
 )
 from hybridflow.pipeline.runtime.peers import StagePeer
-from hybridflow.pipeline.sources.registry import create_source
+from hybridflow.pipeline.sources.registry import DataSource, create_source
 from hybridflow.transport import aio, auth, curve, shm
 from hybridflow.transport.channel import Channel
 
@@ -221,22 +221,33 @@ class Session:
         plan: Plan,
         *,
         collect: Sequence[str] = (),
-        sinks: Sequence[MetricsSink] = (),
+        sinks: Sequence[MetricsSink] | None = None,
         start_step: int = 0,
         checkpointer: Checkpointer | None = None,
         driver_state: str | None = None,
+        source: DataSource | None = None,
+        drivers: dict[int, Any] | None = None,
     ) -> RunResult:
         """Run steps `start_step` .. `plan.topology.run.steps - 1` of `plan`'s dataflow on
         this session's processes (launching them first if this is the first job).
         `driver_state`: checkpoint to load the coordinator-side driver ops' state from.
-        The metrics sinks (the topology's plus `sinks`) are closed when the job ends.
-        Raises HybridflowError; any error (or Ctrl-C) closes the session."""
+        Metrics go to `sinks` when given (the caller's: left open, so several jobs can
+        write one run's files), else to the topology's own, closed when the job ends.
+        `source`: a data source the caller built (and closes), else the topology's,
+        built for this job. `drivers`: the driver ops of an earlier job of the same
+        dataflow, whose state (an adaptive KL coefficient) carries on; an empty dict is
+        filled with this job's. Raises HybridflowError; any error (or Ctrl-C) closes the
+        session."""
         why = self.mismatch(plan.topology)
         if why:
             raise PipelineError(f"job {plan.topology.name!r} cannot run on this session: {why}")
         topo = plan.topology
-        all_sinks = make_sinks(topo.metrics.backends, run_dir_of(topo), topo, start_step)
-        all_sinks += list(sinks)
+        own = sinks is None
+        all_sinks = (
+            make_sinks(topo.metrics.backends, run_dir_of(topo), topo, start_step)
+            if own
+            else list(sinks or ())
+        )
         self.jobs += 1
         ok = False
         try:
@@ -251,6 +262,8 @@ class Session:
                         start_step,
                         checkpointer,
                         driver_state,
+                        source,
+                        drivers,
                     )
                 )
             except asyncio.CancelledError:
@@ -259,7 +272,7 @@ class Session:
                 raise
             ok = True
         finally:
-            for sink in all_sinks:
+            for sink in all_sinks if own else ():
                 with contextlib.suppress(Exception):
                     sink.close()
             if not ok:
@@ -289,6 +302,8 @@ class Session:
         start_step: int,
         checkpointer: Checkpointer | None,
         driver_state: str | None,
+        given_source: DataSource | None,
+        drivers: dict[int, Any] | None,
     ) -> RunResult:
         live = self._live
         launch = live.chan is None
@@ -306,7 +321,7 @@ class Session:
                 shm_threshold=t.shm_threshold,
                 curve_keys=live.curve.for_server() if live.curve is not None else None,
             )
-        source = create_source(plan.topology.data, plan.topology.seed)
+        source = given_source or create_source(plan.topology.data, plan.topology.seed)
         coord = Coordinator(
             plan,
             live.chan,
@@ -321,6 +336,7 @@ class Session:
             peers=live.peers,
             config_hash=self.plan.config_hash,
             secret=live.secret,
+            drivers=drivers,
         )
         try:
             with _cancel_on_sigterm(terminated):
@@ -345,7 +361,8 @@ class Session:
                             sock.close()
                 return await coord.run()
         finally:
-            source.close()
+            if given_source is None:
+                source.close()
 
 
 # ---------------------------------------------------------------------------------------

@@ -86,6 +86,12 @@ class PromptSource:
             self.dataset = PromptDataset.load(opts, self.tokenizer, seed=seed, path="data.options")
         self._orders: dict[int, list[int]] = {}
 
+    def prompt_count(self) -> int | None:
+        """Records in one epoch; None for a stream (an iterable dataset has no length)."""
+        if self.dataset is not None:
+            return len(self.dataset)
+        return len(self.records) if isinstance(self.records, memory.MapRecords) else None
+
     def _item(self, k: int, rec: dict[str, Any]) -> PromptItem:
         return make_item(k, rec, self.tokenizer, self.opts, self._template, "data.options")
 

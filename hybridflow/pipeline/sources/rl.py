@@ -56,6 +56,11 @@ class GroupedPrompts:
         self.fields = fields
         inner = tuple(f for f in _INNER if f in fields) or ("prompt_ids",)
         self.inner = PromptSource(inner, opts, seed)
+        self.tokenizer = self.inner.tokenizer
+
+    def prompt_count(self) -> int | None:
+        """Prompts in one epoch of the dataset; None for a stream (it has no length)."""
+        return self.inner.prompt_count()
 
     def batch(self, step: int, size: int) -> Batch:
         if size % self.n:

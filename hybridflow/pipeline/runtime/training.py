@@ -1,0 +1,116 @@
+"""A run's steps as jobs on one session: training, cut at the validation points.
+
+    run_training(session, plan, start_step=s, sinks=..., validator=v)
+
+        validate(s)            if v.cfg.before_train          (the policy after s updates)
+        train s .. p1-1        one job: the coordinator streams and checkpoints as ever
+        validate(p1)           p1 = the next multiple of validation.interval
+        train p1 .. p2-1
+        ...
+        validate(end)          if v.cfg.after_train
+
+Without a validator it is one training job, as before. Every job runs on the same
+stage processes (pipeline/runtime/session.py), so weights, optimizer state and the
+policy version carry on; between jobs the pipeline drains (validation must see one
+policy: with max_offpolicy_steps > 0 rollout would otherwise run ahead of it). What a
+job-per-chunk would lose is handed on explicitly: the metrics sinks (one set for the
+whole run: one metrics.jsonl, one progress bar, one plot), the training data source
+(tokenized once), the driver ops (their state, e.g. an adaptive KL coefficient) and the
+checkpointer (its schedule counts run steps).
+
+Invariant: the training rows equal those of the same run without validation; each
+validation row goes to the same sinks at its step, and into `RunResult.validation`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from hybridflow.pipeline.checkpoint.store import Checkpointer
+from hybridflow.pipeline.compiler.plan import Plan, build_plan
+from hybridflow.pipeline.observe.metrics import MetricsSink
+from hybridflow.pipeline.runtime.coordinator import RunResult
+from hybridflow.pipeline.runtime.validation import Validator
+from hybridflow.pipeline.sources.registry import create_source
+
+
+def run_training(
+    session: Any,
+    plan: Plan,
+    *,
+    start_step: int,
+    sinks: Sequence[MetricsSink],
+    checkpointer: Checkpointer | None = None,
+    driver_state: str | None = None,
+    collect: Sequence[str] = (),
+    validator: Validator | None = None,
+) -> RunResult:
+    """Steps `start_step` .. `plan.topology.run.steps - 1`, validated as the module
+    docstring says. The caller owns `sinks` (and closes them)."""
+    topo = plan.topology
+    end = topo.run.steps
+    points = validator.points(start_step, end) if validator is not None else []
+    if validator is not None:
+        validator.begin(start_step)
+    source = create_source(topo.data, topo.seed)
+    drivers: dict[int, Any] = {}
+    jobs: list[RunResult] = []  # the training jobs
+    rows: list[dict[str, float]] = []
+    startup_s: float | None = None  # of the first job, which launched the stages
+    cursor = start_step
+    try:
+        for point in sorted({*points, end}):
+            if point > cursor:
+                chunk = plan if point == end else _until(plan, point)
+                jobs.append(
+                    session.run_job(
+                        chunk,
+                        collect=tuple(collect),
+                        sinks=sinks,
+                        start_step=cursor,
+                        checkpointer=checkpointer,
+                        driver_state=driver_state,
+                        source=source,
+                        drivers=drivers,
+                    )
+                )
+                startup_s = jobs[-1].startup_s if startup_s is None else startup_s
+                cursor = point
+            if validator is not None and point in points:
+                metrics, job = validator.run(session, point)
+                startup_s = job.startup_s if startup_s is None else startup_s
+                for sink in sinks:
+                    sink.write(point, metrics)
+                rows.append({"step": float(point), **metrics})
+    finally:
+        source.close()
+    return _merged(jobs, rows, startup_s or 0.0)
+
+
+def _until(plan: Plan, steps: int) -> Plan:
+    """`plan` with its run ending after `steps` steps (a chunk between validations)."""
+    topo = plan.topology
+    return build_plan(dataclasses.replace(topo, run=dataclasses.replace(topo.run, steps=steps)))
+
+
+def _merged(
+    jobs: list[RunResult], validation: list[dict[str, float]], startup_s: float
+) -> RunResult:
+    first = jobs[0]
+    collected: dict[int, dict[str, Any]] = {}
+    for j in jobs:
+        collected.update(j.collected)
+    return RunResult(
+        run_id=first.run_id,
+        metrics=[m for j in jobs for m in j.metrics],
+        events=[e for j in jobs for e in j.events],
+        collected=collected,
+        startup_s=startup_s,
+        wall_s=sum(j.wall_s for j in jobs),
+        coordinator_cpu_s=sum(j.coordinator_cpu_s for j in jobs),
+        tasks=sum(j.tasks for j in jobs),
+        checkpoints=[c for j in jobs for c in j.checkpoints],
+        validation=validation,
+    )
