@@ -75,6 +75,7 @@ from hybridflow.pipeline.checkpoint import store as ckpt
 from hybridflow.pipeline.compiler.frontend import CompiledStep
 from hybridflow.pipeline.compiler.ir import StepOutput
 from hybridflow.pipeline.compiler.plan import Plan, build_plan
+from hybridflow.pipeline.runtime.rundir_lock import DirLock, release_all, take_locks
 from hybridflow.pipeline.sources.datasets import (
     dataset_source,
     restore_stream_state,
@@ -133,6 +134,9 @@ class Engine:
         self._session: Session | None = None
         self._cache: _Declared | None = None
         self._last_validation: dict[str, Any] | None = None  # train(validation=)'s
+        # log_dir and the checkpoint directory, held while the processes are up: one run
+        # per directory (pipeline/runtime/rundir_lock.py).
+        self._locks: list[DirLock] = []
 
     # -- life time ------------------------------------------------------------------------
     def close(self) -> None:
@@ -140,6 +144,8 @@ class Engine:
         session, self._session = self._session, None
         if session is not None:
             session.close("engine closed")
+        release_all(self._locks)
+        self._locks = []
 
     def __enter__(self) -> Engine:
         return self
@@ -511,6 +517,7 @@ class Engine:
                 res = self._validated_job(session, plan, start, checkpointer, validator)
         except BaseException:
             self._session = None  # the session closed itself; the next call restarts
+            self.close()
             raise
         if res.checkpoints:
             self.state = res.checkpoints[-1]
@@ -527,6 +534,10 @@ class Engine:
             self.close()  # e.g. sft(lr=...): other actor options than the processes have
             session = None
         if session is None:
+            if not self._locks:
+                save = self.save.save_dir if self.save else self._default_dir()
+                dirs = [("log_dir", self.log_dir), ("save_checkpoint.save_path", Path(save))]
+                self._locks = take_locks(dirs, "Engine (Python API)")
             if launch is None:
                 declared = self._declared().topology
                 launch = plan if declared == plan.topology else build_plan(declared)

@@ -20,7 +20,9 @@ topology (same stages, replicas, roles and seed; a step left to run).
 
 Before anything starts, the directories a run writes (run_dir, checkpoint.save_dir,
 transport.ipc_dir) are checked: one that cannot be created is a ConfigError naming its
-key (exit 2), not an OSError from deep inside the first metrics write.
+key (exit 2), not an OSError from deep inside the first metrics write. Then run_dir and
+the checkpoint directory are locked for the run's life (rundir_lock.py): a second run on
+either is a ConfigError naming the holder's pid; a dead holder's lock is taken over.
 
 `cli_run` / `cli_validate` back `hybridflow run|validate CONFIG [--set k=v]`
 (`run --launcher ray [--address ADDR]`: stage processes on a Ray cluster, ray_launcher.py); errors
@@ -46,10 +48,17 @@ from hybridflow.config.schema import Topology, load_topology
 from hybridflow.errors import ConfigError, StageError
 from hybridflow.pipeline.checkpoint import store as ckpt
 from hybridflow.pipeline.checkpoint.store import Checkpointer
-from hybridflow.pipeline.compiler.plan import build_plan, describe, describe_text, trainer_stages
+from hybridflow.pipeline.compiler.plan import (
+    Plan,
+    build_plan,
+    describe,
+    describe_text,
+    trainer_stages,
+)
 from hybridflow.pipeline.observe.metrics import MetricsSink, make_sinks
 from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.launcher import Launcher
+from hybridflow.pipeline.runtime.rundir_lock import lock_dirs
 from hybridflow.pipeline.runtime.session import STAGE_ENTRY, Session, places_hosts, run_dir_of
 from hybridflow.pipeline.runtime.training import run_training
 from hybridflow.pipeline.runtime.validation import Validator
@@ -90,6 +99,24 @@ def run_topology(
     if checkpointer is None and topo.checkpoint is not None:
         checkpointer = topology_checkpointer(topo)
     honour_log_level(topo.log_level)
+    # One run per directory, for the run's life (pipeline/runtime/rundir_lock.py).
+    with lock_dirs(owned_dirs(topo, checkpointer), f"run {topo.name!r}"):
+        return _run_locked(
+            topo, plan, collect, run_id, sinks, launcher, start_step, resume_dir, checkpointer
+        )
+
+
+def _run_locked(
+    topo: Topology,
+    plan: Plan,
+    collect: Sequence[str],
+    run_id: str | None,
+    sinks: Sequence[MetricsSink],
+    launcher: Launcher | None,
+    start_step: int,
+    resume_dir: str | None,
+    checkpointer: Checkpointer | None,
+) -> RunResult:
     # Validation's source is read (and a missing file named) before any process starts.
     validator = Validator(topo, run_dir_of(topo)) if topo.validation is not None else None
     session = Session(plan, launcher=launcher, run_id=run_id, resume_dir=resume_dir)
@@ -116,6 +143,14 @@ def run_topology(
         exits = session.close("run finished")
     result.exits = exits
     return result
+
+
+def owned_dirs(topo: Topology, checkpointer: Checkpointer | None = None) -> list[tuple[str, Path]]:
+    """The directories a run writes and must not share: (config key, path)."""
+    dirs = [("run_dir", run_dir_of(topo))]
+    if checkpointer is not None:
+        dirs.append(("checkpoint.save_dir", Path(checkpointer.cfg.save_dir)))
+    return dirs
 
 
 def checkpoint_dir(topo: Topology) -> Path:
