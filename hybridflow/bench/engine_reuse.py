@@ -20,6 +20,7 @@ import tempfile
 import time
 from typing import Any
 
+from hybridflow.bench import refuse_sets
 from hybridflow.pipeline.api.builder import DataflowBuilder
 
 LOGIC = """
@@ -44,6 +45,7 @@ def builder(step_batch: int) -> DataflowBuilder:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    refuse_sets(args, "engine_reuse")
     step_batch = 8 if getattr(args, "quick", False) else 16
     repeats = 1 if getattr(args, "quick", False) else 3
     with (

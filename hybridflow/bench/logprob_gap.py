@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.bench import with_options
 from hybridflow.models.heads import use_fp32_head
 from hybridflow.models.loader import ModelOptions, load_model, load_tokenizer
 from hybridflow.stages.common import chunked_no_grad, response_logprobs
@@ -46,7 +47,9 @@ DEFAULTS = {"model": "tiny", "vocab_size": 0, "device": "", "seqs": 64, "max_new
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hybridflow.bench.logprob_gap", description=__doc__)
     p.add_argument("--json", action="store_true", help="print one JSON object (the default)")
-    p.add_argument("--quick", action="store_true", help="tiny preset on CPU, 8 seqs, 16 tokens")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny preset, 4 seqs, 8 tokens (same device)"
+    )
     p.add_argument("--model", default=DEFAULTS["model"])
     p.add_argument("--vocab-size", type=int, default=0, help="override the preset's vocab")
     p.add_argument("--device", default="", help="default: cuda if available, else cpu")
@@ -120,20 +123,22 @@ def _gap(batch: dict[str, torch.Tensor], rollout: torch.Tensor, actor: Any, ac: 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The benchmark; `args` may lack options (their defaults apply); --quick shrinks it."""
-    model_name = getattr(args, "model", None) or DEFAULTS["model"]
-    vocab = getattr(args, "vocab_size", 0) or 0
-    dev = getattr(args, "device", "") or ("cuda" if torch.cuda.is_available() else "cpu")
-    seqs = getattr(args, "seqs", None) or DEFAULTS["seqs"]
-    max_new = getattr(args, "max_new_tokens", None) or DEFAULTS["max_new_tokens"]
-    if getattr(args, "quick", False):
-        model_name, dev, seqs, max_new = "tiny", "cpu", 8, 16
+    """The benchmark; `args` may lack options (their defaults apply; from `hybridflow
+    bench`, options come as --set KEY=VALUE); --quick shrinks it."""
+    args = with_options(args, vars(parse([])), "logprob_gap")
+    model_name = args.model or DEFAULTS["model"]
+    vocab = args.vocab_size or 0
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    seqs = args.seqs or DEFAULTS["seqs"]
+    max_new = args.max_new_tokens or DEFAULTS["max_new_tokens"]
+    if getattr(args, "quick", False):  # sizes only: the device and settings stay the full run's
+        model_name, seqs, max_new = "tiny", 4, 8
     device = torch.device(dev)
     tokenizer = load_tokenizer("builtin")
     overrides = {"vocab_size": vocab} if vocab else {}
     opts = ModelOptions(model=model_name, tokenizer="builtin", model_overrides=overrides)
     fp32 = load_model(opts, tokenizer, device=device, seed=0).requires_grad_(False)
-    scale = float(getattr(args, "logit_scale", 1.0) or 1.0)
+    scale = float(args.logit_scale or 1.0)
     fp32.model.norm.weight.mul_(scale)
     v = fp32.config.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -19,6 +19,8 @@ With --frontend async (CUDA graphs only) the same run also goes through `AsyncEn
 every request submitted at once from an event loop, stepped by the engine thread, as the
 role's concurrent `generate` calls run it; `step_ms` there is wall / steps.
 
+Without a CUDA device only the eager, synchronous runs are measured and `skipped` says what
+was left out. --quick: the same runs at N = 2,4, 8 new tokens, requests of 2 rows.
 Default model: `tiny` on CPU, float32. GPU example (the number the project tracks):
   python -m hybridflow.bench.native_engine --json --model qwen2-0.5b --vocab-size 192 \\
       --dtype bfloat16 --seqs 64,128,256,512
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.bench import with_options
 from hybridflow.models.loader import ModelOptions, load_model, load_tokenizer
 from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
 from hybridflow.stages.rollout.native.frontend import AsyncEngine
@@ -78,12 +81,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The benchmark; `args` may come from `hybridflow bench` (only --json/--quick): the
-    options it lacks take this module's defaults, and --quick shrinks the run."""
-    defaults = vars(parse([]))
-    args = argparse.Namespace(**{**defaults, **vars(args)})
+    """The benchmark; `args` may come from `hybridflow bench` (--json/--quick, options as
+    --set KEY=VALUE): the options it lacks take this module's defaults, and --quick
+    shrinks the run."""
+    args = with_options(args, vars(parse([])), "native_engine")
     if getattr(args, "quick", False):
-        args.seqs, args.max_new_tokens = args.seqs or "8,32", min(args.max_new_tokens, 32)
+        # Every path of the full run at small sizes: two batch sizes, the larger one split
+        # into two requests (continuous batching across requests), both decode modes and
+        # both frontends where the device has them.
+        args.seqs, args.max_new_tokens = args.seqs or "2,4", min(args.max_new_tokens, 8)
+        args.request_rows = min(args.request_rows, 2)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     seqs = [int(s) for s in args.seqs.split(",") if s] or [64, 128, 256, 512]
@@ -117,7 +124,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": [],
     }
     modes = {"both": [True, False], "on": [True], "off": [False]}[args.graphs]
+    out["skipped"] = []
     if device.type != "cuda":
+        if True in modes:
+            out["skipped"].append("cuda_graphs: no CUDA device")
+        if args.frontend == "async":
+            out["skipped"].append("async frontend: measured with CUDA graphs only")
         modes = [False]
     for graphs in modes:
         for n in seqs:

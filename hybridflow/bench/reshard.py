@@ -1,7 +1,9 @@
 """`hybridflow bench reshard --json [--quick]`: moving the actor's weights into the rollout
 engine, per model size: time, bytes, and the plain tensor copy of the same bytes.
 
-Per model preset (tiny; small; the shapes of qwen2-0.5b unless --quick), fp32 weights:
+Per model preset, fp32 weights: real roles for `tiny` and `small`, then the parameter shapes
+of `qwen2-0.5b`; `--quick` runs the same two modes at small sizes (real roles for `tiny`,
+the shapes of `tiny`), so the smoke test exercises every path the full run takes:
   copy_s            `dst.copy_(src)` for every parameter into preallocated tensors: the
                     floor of any reshard that ends in another buffer on this host
   colocated_s       in process, what actor.reshard does in the hybrid engine:
@@ -16,11 +18,14 @@ Per model preset (tiny; small; the shapes of qwen2-0.5b unless --quick), fp32 we
                     is reported apart as `disaggregated_first_s`.
   bytes             bytes moved per sync (= the model's parameter bytes, one receiver)
   *_gbps            bytes / seconds
-Mode "shapes" (qwen2-0.5b): building a random 0.5B model takes ~30 s per process on
+Mode "shapes" (qwen2-0.5b; tiny with --quick): building a random 0.5B model takes ~30 s per process on
 this 2-core machine, so the two ends move tensors of the preset's exact parameter shapes
 with the same sender/receiver code, and the receiver copies each bucket into its own
 preallocated tensors as the hf rollout does; colocated_s is then not measured (it is the
-same per-parameter copy as copy_s).
+same per-parameter copy as copy_s). The receiver reports a checksum of what it loaded;
+`verified` says it matched the sender's weights.
+The receiver process gets the link's secret as a run's stage does (its stdin pipe, never
+argv or env) and proves itself with it; the sender refuses any other connection.
 Threads: one torch thread everywhere (this process, the stage processes, the receiver):
 this is memory-bound copying, and on this shared 2-core machine torch's 2-thread copy of
 12 MB took ~130 ms against ~0.5 ms with one thread (the second OpenMP thread waits for a
@@ -33,6 +38,7 @@ Compare within one run, not across runs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -45,6 +51,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.bench import refuse_sets
 from hybridflow.config.schema import load_topology
 from hybridflow.models.presets import preset_config
 from hybridflow.models.tokenizer import builtin_tokenizer
@@ -54,13 +61,14 @@ from hybridflow.pipeline.runtime.runner import run_topology
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.base import StageContext
 from hybridflow.stages.rollout.hf import HFRollout
-from hybridflow.transport import aio
+from hybridflow.transport import aio, auth
 
 BUCKET_MB = 64.0  # the actor's default weight_bucket_mb
 THREADS = 1  # torch threads in every process of the bench (module docstring)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    refuse_sets(args, "reshard")
     quick = bool(getattr(args, "quick", False))
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
@@ -72,12 +80,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.environ.pop("OMP_NUM_THREADS", None)
 
 
+ROLES_PRESETS = {"full": ("tiny", "small"), "quick": ("tiny",)}
+SHAPES_PRESET = {"full": "qwen2-0.5b", "quick": "tiny"}
+
+
 def _run(quick: bool) -> dict[str, Any]:
+    # Quick and full differ in sizes only: both run every mode (a path only the full run
+    # took once shipped broken).
+    size = "quick" if quick else "full"
     reps = 3 if quick else 5
-    sizes: list[dict[str, Any]] = [_roles_size("tiny", reps)]
-    if not quick:
-        sizes.append(_roles_size("small", reps))
-        sizes.append(_shapes_size("qwen2-0.5b", 3))
+    sizes: list[dict[str, Any]] = [_roles_size(p, reps) for p in ROLES_PRESETS[size]]
+    sizes.append(_shapes_size(SHAPES_PRESET[size], 3))
     return {
         "bench": "reshard",
         "bucket_mb": BUCKET_MB,
@@ -193,11 +206,19 @@ def _shapes_size(preset: str, reps: int) -> dict[str, Any]:
         **_rate("copy", _copy_s(list(tensors.values()), reps), nbytes),
         "colocated_s": None,
     }
-    times = aio.run(_send_versions(tensors, shapes, reps + 1))
+    times, loaded = aio.run(_send_versions(tensors, shapes, reps + 1))
     out.update(_rate("disaggregated", min(times[1:]), nbytes))
     out["disaggregated_first_s"] = round(times[0], 6)
     out["bytes_moved"] = nbytes
+    out["verified"] = loaded == _checksum(tensors)
+    if not out["verified"]:
+        raise RuntimeError(f"bench reshard: the receiver loaded other weights ({preset})")
     return out
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> float:
+    """One float of every weight, summed in name order (both ends compute it alike)."""
+    return float(sum(float(tensors[n].double().sum()) for n in sorted(tensors)))
 
 
 def _param_shapes(preset: str) -> list[tuple[str, list[int]]]:
@@ -234,25 +255,31 @@ def _buckets(tensors: dict[str, torch.Tensor], limit: int) -> Iterator[dict[str,
 
 async def _send_versions(
     tensors: dict[str, torch.Tensor], shapes: list[tuple[str, list[int]]], versions: int
-) -> list[float]:
+) -> tuple[list[float], float | None]:
+    """Push `versions` versions to a receiver process; (seconds per version, the
+    receiver's checksum of what it loaded last, None if it sent none)."""
     with tempfile.TemporaryDirectory(prefix="hf-bench-") as tmp:
         endpoint = f"ipc://{tmp}/weights"
         ident = identity("rollout", "bench", 0)
         run_id = f"bench-reshard-{os.getpid()}"
+        secret = auth.new_secret()
         sender = WeightSender(
-            "bench weights", endpoint, (ident,), run_id=run_id, config_hash="bench"
+            "bench weights", endpoint, (ident,), run_id=run_id, config_hash="bench", secret=secret
         )
         sender.start()
         child = subprocess.Popen(
-            [sys.executable, "-m", "hybridflow.bench.reshard"], stdin=subprocess.PIPE, text=True
+            [sys.executable, "-P", "-m", "hybridflow.bench.reshard"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
-        assert child.stdin is not None
-        child.stdin.write(
-            json.dumps({"endpoint": endpoint, "run_id": run_id, "shapes": shapes, "n": versions})
-        )
+        assert child.stdin is not None and child.stdout is not None
+        spec = {"endpoint": endpoint, "run_id": run_id, "secret": secret.hex()}
+        child.stdin.write(json.dumps({**spec, "shapes": shapes, "n": versions}))
         child.stdin.close()
         times = []
         try:
+            await _connected(sender, ident, child)  # the child's startup is not a sync
             for v in range(versions):
                 buckets = _buckets(tensors, int(BUCKET_MB * (1 << 20)))
 
@@ -269,9 +296,22 @@ async def _send_versions(
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+            report = child.stdout.read()  # one short line: it fits the pipe
+            child.stdout.close()
         if child.returncode:
             raise RuntimeError(f"bench receiver exited with code {child.returncode}")
-        return times
+        lines = report.strip().splitlines()
+        return times, json.loads(lines[-1]).get("checksum") if lines else None
+
+
+async def _connected(sender: WeightSender, ident: bytes, child: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300.0
+    while ident not in sender.pids:
+        if child.poll() is not None:
+            raise RuntimeError(f"bench receiver exited with code {child.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("bench receiver did not connect within 300 s")
+        await asyncio.sleep(0.01)
 
 
 async def _receive(spec: dict[str, Any]) -> None:
@@ -286,6 +326,7 @@ async def _receive(spec: dict[str, Any]) -> None:
         role="rollout",
         run_id=spec["run_id"],
         config_hash="bench",
+        secret=bytes.fromhex(spec["secret"]),
     )
     await receiver.start()
 
@@ -299,6 +340,7 @@ async def _receive(spec: dict[str, Any]) -> None:
             await receiver.pull(load, timeout=600.0)
     finally:
         await receiver.close()
+    print(json.dumps({"checksum": _checksum(dst)}))  # stdout: the parent's report
 
 
 # ---------------------------------------------------------------------------------------

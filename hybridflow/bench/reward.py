@@ -99,7 +99,7 @@ def _topology(b: dict[str, Any], address: str, mode: str, quick: bool) -> dict[s
         "seed": 0,
         "run": {
             "steps": 2 if quick else 4,
-            "step_batch": 32 if quick else 64,
+            "step_batch": 16 if quick else 64,
             "micro_batch": 8,
             "max_offpolicy_steps": 0,
             "mode": mode,
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"bench.{unknown[0]}", f"unknown bench knob; known: {', '.join(BENCH_DEFAULTS)}"
         )
     if quick:
-        b["burst_requests"] = min(int(b["burst_requests"]), 100)
+        b["burst_requests"] = min(int(b["burst_requests"]), 64)
 
     service = _Service(
         b["protocol"],

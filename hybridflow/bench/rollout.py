@@ -62,12 +62,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _settings(args: argparse.Namespace, quick: bool) -> dict[str, Any]:
     settings: dict[str, Any] = {
         "model": "tiny-vllm" if quick else "small",
-        "prompts": 8 if quick else 32,
+        "prompts": 4 if quick else 32,
         "prompt_len": 16,
-        "max_new_tokens": 32 if quick else 128,
+        "max_new_tokens": 8 if quick else 128,
         "temperature": 1.0,
         "top_p": 1.0,
-        "reps": 2 if quick else 3,
+        "reps": 1 if quick else 3,
         "device": "cpu",
     }
     # `--set key=value` overrides one of these (e.g. --set model=tiny-vllm --set prompts=64).

@@ -189,8 +189,9 @@ def measure(args: argparse.Namespace, world: int, reduce_dtype: str) -> dict[str
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    defaults = vars(parse([]))
-    args = argparse.Namespace(**{**defaults, **vars(args)})
+    from hybridflow.bench import with_options
+
+    args = with_options(args, vars(parse([])), "train")
     if getattr(args, "quick", False):
         args.steps, args.micro_batches = 1, 1
     cuda = torch.cuda.is_available()
