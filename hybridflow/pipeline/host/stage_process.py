@@ -15,8 +15,11 @@ plain ops runs in ONE worker thread (one at a time, in order: roles need no lock
 heartbeats keep flowing while a role computes; ops declared `concurrent` are coroutines
 awaited on the loop, several at once (a rollout engine batching micro-batches, a reward
 service awaiting HTTP). A step op, a weight-sync op or a `Control` call is a barrier
-for the process. A task that raises becomes a `Failure` message carrying the traceback
-text; the process keeps serving until the coordinator says Shutdown.
+for the process. A task, control call or setup that raises anything (any BaseException:
+torch's CheckpointException, a GeneratorExit, a library's sys.exit), except this process's
+own teardown (`_interrupted`), becomes a `Failure` message naming the stage, the op or
+call and the cause, with the traceback text; the process keeps serving until the
+coordinator says Shutdown. A loop of the process that dies ends it (exit 1) at once.
 
 What a role gets in `StageContext.world`: `role` (its name), `kind`, `rank` (= replica)
 and `world_size` (= replicas of this stage), `init_listen_fd` (replica 0: the rendezvous's
@@ -43,7 +46,7 @@ Each task's `params` are the op's configured params plus `step`, `mb_id` and
 call's wall time), which the coordinator reports per phase.
 
 Exit codes: 0 after Shutdown, 3 handshake rejected, 4 coordinator unreachable/gone,
-1 an unexpected exception (logged).
+1 an unexpected exception or a dead loop of the process (logged).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -60,8 +64,8 @@ from typing import Any
 import torch
 
 from hybridflow.config.loader import config_hash, from_dict
-from hybridflow.config.schema import Topology
-from hybridflow.errors import HybridflowError
+from hybridflow.config.schema import RoleConfig, Topology
+from hybridflow.errors import ConfigError, HybridflowError
 from hybridflow.pipeline.checkpoint import store as checkpoint
 from hybridflow.pipeline.compiler.plan import role_ops
 from hybridflow.pipeline.host.dispatch import Dispatcher, Mode
@@ -154,6 +158,7 @@ class StageProcess:
         self._worker_since = 0.0  # monotonic start of the worker's current call; 0: idle
         self._reports: set[asyncio.Task[None]] = set()  # Failures for undecodable tasks
         self._ran_s: dict[int, float] = {}  # task id -> seconds its op ran in the worker
+        self._crashed = False  # a loop of the process died: exit 1 (the coordinator names it)
 
     # ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -186,8 +191,8 @@ class StageProcess:
                 progress=self._progress,
             )
             tasks.append(self.heartbeat.start())
-            tasks.append(asyncio.create_task(self._watch_parent(), name="stage.parent"))
-            tasks.append(asyncio.create_task(self._recv_loop(), name="stage.recv"))
+            tasks.append(self._loop_task(self._watch_parent(), "stage.parent"))
+            tasks.append(self._loop_task(self._recv_loop(), "stage.recv"))
             # Setup may take minutes (model loading): a Shutdown meanwhile must not wait.
             setup = asyncio.create_task(self._setup_roles(), name="stage.setup")
             stop = asyncio.create_task(self._stop.wait(), name="stage.stop")
@@ -196,10 +201,12 @@ class StageProcess:
             if setup.done() and setup.result():
                 self.state = StageState.READY
                 self.heartbeat.beat()  # tell the coordinator at once, not one interval later
-                tasks.append(asyncio.create_task(self._work_loop(), name="stage.work"))
+                tasks.append(self._loop_task(self._work_loop(), "stage.work"))
             elif setup.done():
                 self.state = StageState.FAILED
             await self._stop.wait()
+            if self._crashed:
+                return 1
             return 0 if self.parent_alive() else 4
         finally:
             self.state = StageState.STOPPING
@@ -210,6 +217,22 @@ class StageProcess:
             if self.weight_sync is not None:
                 await self.weight_sync.close()
             self.chan.close()
+
+    def _loop_task(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """A loop that lives as long as the process: if it dies of an error (a bug in
+        the runtime, not a role's: those are Failures), the process cannot serve any more.
+        It exits at once (code 1), which the coordinator reports naming this stage, rather
+        than heartbeating on with nobody taking tasks."""
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._loop_done)
+        return task
+
+    def _loop_done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("%s died; stopping", task.get_name(), exc_info=task.exception())
+        self._crashed = True
+        self._stop.set()
 
     async def _handshake(self) -> int:
         hello = Hello(
@@ -241,16 +264,21 @@ class StageProcess:
                 return 4
 
     async def _setup_roles(self) -> bool:
-        device = torch.device(self.cfg.device_of(self.replica))
-        if device.type == "cuda":
-            # The current CUDA device is per thread and starts as cuda:0: make it this
-            # stage's in the loop thread and in the worker thread, so code that captures
-            # or allocates on the "current" device (CUDA graphs, NCCL) lands on the
-            # stage's GPU. (Seen on two GPUs: a native rollout on cuda:1 failed its graph
-            # capture at setup.)
-            torch.cuda.set_device(device)
-            await self._in_worker(torch.cuda.set_device, device)
-        try:  # connect weight-sync peers first: they meet while the models load
+        """Connect the weight-sync peers, build and set up every role, restore the
+        checkpoint; -> ready? Whatever fails, Exception or not, is a Failure naming the
+        part it failed in (`part`: "weight_sync", a role, "checkpoint")."""
+        part = "device"
+        try:
+            device = torch.device(self.cfg.device_of(self.replica))
+            if device.type == "cuda":
+                # The current CUDA device is per thread and starts as cuda:0: make it this
+                # stage's in the loop thread and in the worker thread, so code that captures
+                # or allocates on the "current" device (CUDA graphs, NCCL) lands on the
+                # stage's GPU. (Seen on two GPUs: a native rollout on cuda:1 failed its graph
+                # capture at setup.)
+                torch.cuda.set_device(device)
+                await self._in_worker(torch.cuda.set_device, device)
+            part = "weight_sync"  # connect weight-sync peers first: they meet while models load
             self.weight_sync = StageWeightSync.for_stage(
                 self.topo,
                 self.stage,
@@ -262,44 +290,14 @@ class StageProcess:
             )
             if self.weight_sync is not None:
                 await self.weight_sync.start()
-        except HybridflowError as exc:
-            await self._fail_setup("weight_sync", exc)
-            return False
-        for name, rc in self.cfg.roles.items():
-            try:
+            for name, rc in self.cfg.roles.items():
+                part = name  # import errors of a backend land here
                 self.roles[name] = create_role(rc.kind or name, rc.backend)
-            except Exception as exc:  # import errors of a backend land here
-                await self._fail_setup(name, exc)
-                return False
-        for name, rc in self.cfg.roles.items():
-            ctx = StageContext(
-                stage=self.stage,
-                replica=self.replica,
-                device=device,
-                seed=self.topo.seed,
-                run_dir=self.run_dir,
-                options=dict(rc.options),
-                colocated=self.roles,
-                world={
-                    "role": name,
-                    "kind": rc.kind or name,
-                    "rank": self.replica,
-                    "world_size": self.cfg.replicas,
-                    "replicas": self.cfg.replicas,
-                    "init_method": self.init_method,  # "" unless replicas > 1
-                    "init_listen_fd": self.init_listen_fd,  # its listening socket (rank 0)
-                    "run_id": self.run_id,
-                    "dataflow": role_ops(self.topo, name),
-                },
-                log=logging.getLogger(f"hybridflow.stage.{name}"),
-            )
-            try:
-                await self._in_worker(self.roles[name].setup, ctx)
-            except Exception as exc:
-                await self._fail_setup(name, exc)
-                return False
-        if self.resume_dir:
-            try:
+            for name, rc in self.cfg.roles.items():
+                part = name
+                await self._in_worker(self.roles[name].setup, self._context(name, rc, device))
+            if self.resume_dir:
+                part = "checkpoint"
                 await self._in_worker(
                     checkpoint.load_stage,
                     self.roles,
@@ -308,15 +306,40 @@ class StageProcess:
                     self.stage,
                     self.replica,
                 )
-            except Exception as exc:
-                await self._fail_setup("checkpoint", exc)
-                return False
+        except BaseException as exc:  # not only Exception: see _interrupted
+            if _interrupted(exc):
+                raise
+            await self._fail_setup(part, exc)
+            return False
         log.info("ready: roles %s on %s", ", ".join(self.roles), device)
         return True
 
-    async def _fail_setup(self, role: str, exc: BaseException) -> None:
-        log.error("setup of role %s failed: %s", role, exc)
-        await self._send(self._failure(-1, -1, -1, role, "setup", exc))
+    def _context(self, name: str, rc: RoleConfig, device: torch.device) -> StageContext:
+        return StageContext(
+            stage=self.stage,
+            replica=self.replica,
+            device=device,
+            seed=self.topo.seed,
+            run_dir=self.run_dir,
+            options=dict(rc.options),
+            colocated=self.roles,
+            world={
+                "role": name,
+                "kind": rc.kind or name,
+                "rank": self.replica,
+                "world_size": self.cfg.replicas,
+                "replicas": self.cfg.replicas,
+                "init_method": self.init_method,  # "" unless replicas > 1
+                "init_listen_fd": self.init_listen_fd,  # its listening socket (rank 0)
+                "run_id": self.run_id,
+                "dataflow": role_ops(self.topo, name),
+            },
+            log=logging.getLogger(f"hybridflow.stage.{name}"),
+        )
+
+    async def _fail_setup(self, part: str, exc: BaseException) -> None:
+        log.error("setup of %s failed: %r", part, exc)
+        await self._send_failure(self._failure(-1, -1, -1, part, "setup", exc))
 
     # ------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -444,7 +467,9 @@ class StageProcess:
                 info={"compute_s": self._ran_s.pop(task.task_id, time.perf_counter() - t0)},
             )
             await self._send(result, outputs)
-        except Exception as exc:
+        except BaseException as exc:  # not only Exception: see _interrupted
+            if _interrupted(exc):
+                raise
             await self._report(task, exc)
         finally:
             self._running -= 1
@@ -477,7 +502,9 @@ class StageProcess:
                 metrics={str(k): float(v) for k, v in metrics.items()},
             )
             await self._send(done)
-        except Exception as exc:
+        except BaseException as exc:  # not only Exception: see _interrupted
+            if _interrupted(exc):
+                raise
             name = type(call).__struct_config__.tag
             log.error("control call %s failed: %r", name, exc)
             await self._send_failure(
@@ -583,8 +610,10 @@ class StageProcess:
             role=role,
             op=op,
             error_type=type(exc).__name__,
-            message=str(exc)[:4000],
-            traceback=_role_traceback(exc)[-16000:],
+            message=(str(exc) or "(no message)")[:4000],
+            # A ConfigError names the key (a file's, an option's) and the fix: its stack
+            # adds nothing but lines between the user and that one line.
+            traceback="" if isinstance(exc, ConfigError) else _role_traceback(exc)[-16000:],
         )
 
     async def _close_roles(self) -> None:
@@ -599,10 +628,35 @@ class StageProcess:
                 self.worker_stuck = True
                 log.warning("role %s did not close within liveness.shutdown_timeout_s", name)
                 break
-            except Exception:
-                log.exception("role %s failed to close", name)
+            except BaseException as exc:  # teardown goes on: the next role, the sockets
+                if _interrupted(exc):
+                    raise
+                log.error("role %s failed to close", name, exc_info=exc)
         if not self.worker_stuck:
             self._pool.shutdown(wait=False)
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether `exc`, met by a handler of this process, is the process being stopped
+    (it stays an interrupt: re-raised) rather than something failing (it becomes a
+    Failure naming the stage, the op or control call and the cause).
+
+    Catching only `Exception` is not enough: torch's CheckpointException (a full disk
+    under a weight-shard write), a GeneratorExit leaking from a library's generator or a
+    library's sys.exit are BaseExceptions, and one that escapes a handler kills its task
+    unseen while the coordinator waits for an answer that never comes.
+
+    A stage process is stopped by Shutdown, and its teardown cancels its tasks: that
+    cancellation (the current task is `cancelling()`) is the interrupt. It ignores SIGINT
+    and installs no handler that raises (launcher.py), so a KeyboardInterrupt here is a
+    real Ctrl-C only where SIGINT keeps Python's default handler (a stage started by hand);
+    a SystemExit, a GeneratorExit or a CancelledError nobody asked for was raised by code."""
+    if isinstance(exc, asyncio.CancelledError):
+        task = asyncio.current_task()
+        return task is not None and task.cancelling() > 0
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    return False
 
 
 def _role_traceback(exc: BaseException) -> str:

@@ -144,7 +144,14 @@ class WeightSender:
                         "%s: unexpected %s from %r dropped", self.name, type(msg).__name__, peer
                     )
                 self._changed.set()
-        except PipelineError as exc:
+        except asyncio.CancelledError:
+            raise  # close(): the link's teardown
+        except BaseException as exc:  # not only Exception: a push must not wait for a dead loop
+            if not isinstance(exc, PipelineError):
+                log.error("%s: receive loop failed", self.name, exc_info=exc)
+                exc = PipelineError(
+                    f"{self.name}: receive loop failed: {type(exc).__name__}: {exc}"
+                )
             self._error = exc
             self._changed.set()
 

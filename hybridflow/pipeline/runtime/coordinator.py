@@ -94,6 +94,17 @@ from hybridflow.transport.protocol import (
 log = logging.getLogger("hybridflow.coordinator")
 
 
+def _stopping(exc: BaseException) -> bool:
+    """Whether `exc`, raised where a data source or a driver op runs, is the coordinator
+    being stopped (re-raised) rather than the source or op failing (a named error). Ctrl-C
+    and SIGTERM reach a job as the cancellation of its task (asyncio.Runner, session.py),
+    so that cancellation is the one interrupt; a KeyboardInterrupt, SystemExit or other
+    BaseException out of the worker thread was raised by the source's or op's code, and
+    escaping here it would stop the event loop (or vanish with its task) unnamed."""
+    task = asyncio.current_task()
+    return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() > 0
+
+
 @dataclass
 class RunResult:
     run_id: str
@@ -486,7 +497,9 @@ class Coordinator:
             self.sched.add_data(step, batch)
         except HybridflowError as exc:
             self._fail(exc)
-        except Exception as exc:
+        except BaseException as exc:  # its own KeyboardInterrupt, SystemExit too: _stopping
+            if _stopping(exc):
+                raise
             self._fail(
                 PipelineError(
                     f"data source {self.topo.data.source!r} failed for step {step}: {exc!r}"
@@ -515,7 +528,9 @@ class Coordinator:
             self.tasks_done += 1
         except HybridflowError as exc:
             self._fail(exc)
-        except Exception as exc:
+        except BaseException as exc:  # its own KeyboardInterrupt, SystemExit too: _stopping
+            if _stopping(exc):
+                raise
             self._fail(
                 StageError(
                     f"driver op {d.op.cfg.op} failed at step {d.step} micro-batch {d.mb_id}: "
