@@ -7,15 +7,20 @@
 
 Every non-200 answer carries a JSON `{"version": 1, "error": ...}` body, including the
 router's own 404/405, so a client never has to parse HTML. Bodies are read with a cap
-(`max_body_bytes`), so an oversize request is refused without being buffered whole.
+(`max_body_bytes`), so an oversize request is refused without being buffered whole, and
+with a deadline (`body_timeout_s` for the whole body, from the end of its headers): a
+client that stops halfway gets 408 and its connection closed, so half-sent bodies cannot
+pile up. A client that disconnects mid-body, or sends a malformed one, is one log line
+(no traceback: it is the client's fault, and there may be thousands).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from hybridflow.reward.app import RewardApp
 from hybridflow.reward.schema import RequestRejected
@@ -32,7 +37,50 @@ def _error(status: int, message: str) -> web.Response:
     )
 
 
-def build_app(core: RewardApp, token: str | None = None) -> web.Application:
+async def _answer_and_close(request: web.Request, status: int, message: str) -> web.Response:
+    """Send an error answer, then close the connection at once: aiohttp would otherwise
+    "linger" up to 10 s reading the rest of a body that is never coming."""
+    resp = _error(status, message)
+    resp.force_close()
+    if request.transport is not None:
+        await resp.prepare(request)
+        await resp.write_eof()
+        request.protocol.force_close()  # the answer is written: close after it flushes
+    return resp
+
+
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes | web.Response:
+    """The body (at most `limit` bytes), or the answer to a client that did not send it."""
+    length = request.content_length
+    want = f"{length}-byte body" if length is not None else "chunked body"
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await read_capped(request.content, limit)
+    except TimeoutError:
+        log.warning(
+            "client %s sent %d bytes of its %s in %.0f s (body_timeout_s); answering 408",
+            request.remote,
+            request.content.total_bytes,
+            want,
+            timeout_s,
+        )
+        return await _answer_and_close(
+            request, 408, f"request body not received within {timeout_s:g} s"
+        )
+    except ConnectionResetError:
+        log.info(
+            "client %s disconnected after %d bytes of its %s",
+            request.remote,
+            request.content.total_bytes,
+            want,
+        )
+        return _error(400, "connection lost mid-body")  # nobody is left to read it
+    except http_exceptions.BadHttpMessage as exc:
+        log.warning("client %s sent a malformed body: %s", request.remote, exc.message)
+        return await _answer_and_close(request, 400, f"malformed request body: {exc.message}")
+
+
+def build_app(core: RewardApp, token: str | None, body_timeout_s: float) -> web.Application:
     @web.middleware
     async def json_errors(request: web.Request, handler):
         try:
@@ -50,7 +98,9 @@ def build_app(core: RewardApp, token: str | None = None) -> web.Application:
         length = request.content_length
         if length is not None and length > core.max_body_bytes:
             return _error(413, f"body of {length} bytes exceeds {core.max_body_bytes}")
-        body = await read_capped(request.content, core.max_body_bytes + 1)
+        body = await _read_body(request, core.max_body_bytes + 1, body_timeout_s)
+        if isinstance(body, web.Response):
+            return body
         try:
             reply = await core.score(body, "json")
         except RequestRejected as exc:
@@ -72,19 +122,26 @@ def build_app(core: RewardApp, token: str | None = None) -> web.Application:
 class HttpServer:
     """A started aiohttp site; `aclose()` stops accepting and lets running requests finish."""
 
-    def __init__(self, core: RewardApp, host: str, port: int, token: str | None, grace_s: float):
-        self.core, self.host, self.port, self._token, self._grace_s = (
-            core,
-            host,
-            port,
-            token,
-            grace_s,
-        )
+    def __init__(
+        self,
+        core: RewardApp,
+        host: str,
+        port: int,
+        token: str | None,
+        grace_s: float,
+        body_timeout_s: float,
+    ):
+        if not body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
+        self.core, self.host, self.port = core, host, port
+        self._token, self._grace_s, self._body_timeout_s = token, grace_s, body_timeout_s
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         self._runner = web.AppRunner(
-            build_app(self.core, self._token), access_log=None, shutdown_timeout=self._grace_s
+            build_app(self.core, self._token, self._body_timeout_s),
+            access_log=None,
+            shutdown_timeout=self._grace_s,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

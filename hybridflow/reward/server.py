@@ -5,6 +5,11 @@
 
     hybridflow reward-serve mypkg.rewards:my_reward --protocol zmq --port 5555
 
+A client has `body_timeout_s` (default 30 s) to send a request's whole body over HTTP;
+one that stalls gets 408 and is disconnected, so half-sent requests cannot hold the
+server's connections (ZeroMQ delivers whole messages only, so it has nothing to time out).
+`hybridflow reward-serve` takes it from $HYBRIDFLOW_REWARD_BODY_TIMEOUT_S.
+
 `serve` blocks until SIGINT/SIGTERM, then stops accepting, lets running requests finish
 (up to `grace_s`) and returns. `start_server` is the same without blocking, for
 embedding in an existing event loop (and for tests): it returns a `RunningServer` with
@@ -41,6 +46,8 @@ log = logging.getLogger("hybridflow.reward.server")
 
 Protocol = Literal["http", "zmq"]
 TOKEN_ENV = "HYBRIDFLOW_REWARD_TOKEN"  # the CLI reads the server's bearer token from here
+BODY_TIMEOUT_ENV = "HYBRIDFLOW_REWARD_BODY_TIMEOUT_S"  # ... and its body timeout
+DEFAULT_BODY_TIMEOUT_S = 30.0  # a 32 MiB body at ~1 MB/s; loopback and LANs take far less
 
 
 class RunningServer:
@@ -81,6 +88,7 @@ async def start_server(
     concurrency: int = 8,
     token: str | None = None,
     grace_s: float = 10.0,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> RunningServer:
     core = RewardApp(
         fn, max_batch=max_batch, max_body_bytes=max_body_bytes, concurrency=concurrency
@@ -88,7 +96,7 @@ async def start_server(
     if protocol == "http":
         from hybridflow.reward.http_server import HttpServer
 
-        front = HttpServer(core, host, port, token, grace_s)
+        front = HttpServer(core, host, port, token, grace_s, body_timeout_s)
     elif protocol == "zmq":
         if token is not None:
             raise ValueError("token applies to protocol='http' only")
@@ -112,6 +120,7 @@ def serve(
     concurrency: int = 8,
     token: str | None = None,
     grace_s: float = 10.0,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
     """Serve `fn` until SIGINT/SIGTERM (signals are only caught on the main thread; from
@@ -128,6 +137,7 @@ def serve(
             concurrency=concurrency,
             token=token,
             grace_s=grace_s,
+            body_timeout_s=body_timeout_s,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -180,6 +190,7 @@ def cli_serve(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         raise ConfigError("--max-batch", f"must be >= 1, got {args.max_batch}")
     token = os.environ.get(TOKEN_ENV) or None
+    body_timeout_s = _body_timeout(args)
     if args.protocol == "http":
         if args.host not in ("127.0.0.1", "localhost", "::1") and token is None:
             log.warning("serving on %s without a bearer token (set %s)", args.host, TOKEN_ENV)
@@ -198,6 +209,23 @@ def cli_serve(args: argparse.Namespace) -> int:
             max_batch=args.max_batch,
             concurrency=getattr(args, "concurrency", 8),
             token=token,
+            body_timeout_s=body_timeout_s,
             on_ready=ready,
         )
     return 0
+
+
+def _body_timeout(args: argparse.Namespace) -> float:
+    """`args.body_timeout_s` where the parser has it, else $HYBRIDFLOW_REWARD_BODY_TIMEOUT_S,
+    else the default; a positive number of seconds."""
+    given = getattr(args, "body_timeout_s", None)
+    key = "--body-timeout-s"
+    if given is None:
+        given, key = os.environ.get(BODY_TIMEOUT_ENV) or DEFAULT_BODY_TIMEOUT_S, BODY_TIMEOUT_ENV
+    try:
+        value = float(given)
+    except ValueError:
+        raise ConfigError(key, f"must be a number of seconds, got {given!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(key, f"must be a positive number of seconds, got {given!r}")
+    return value
