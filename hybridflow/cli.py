@@ -1,4 +1,4 @@
-"""`hybridflow` command line: run | validate | eval | bench | reward-serve | demo.
+"""`hybridflow` command line: run | validate | eval | status | bench | reward-serve | demo.
 
 Each subcommand's implementation is imported only when it is used, so `--help` and
 `validate` stay fast and never import torch unless they must.
@@ -115,6 +115,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=256, help="most items per request")
     s.add_argument("--concurrency", type=int, default=8, help="requests scored at once")
 
+    st = sub.add_parser(
+        "status",
+        help="what a live run in RUN_DIR waits on (from another shell); exit 1 if not alive",
+    )
+    st.add_argument("run_dir", metavar="RUN_DIR", help="the run's run_dir (an Engine's log_dir)")
+
     d = sub.add_parser("demo", help="the built-in default job (what `make demo` runs)")
     d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return p
@@ -130,6 +136,7 @@ COMMANDS = {
     "run": "hybridflow.pipeline.runtime.runner:cli_run",
     "validate": "hybridflow.pipeline.runtime.runner:cli_validate",
     "eval": "hybridflow.pipeline.runtime.evaluate:cli_eval",
+    "status": "hybridflow.pipeline.runtime.status:cli_status",
     "reward-serve": "hybridflow.reward.server:cli_serve",
     "demo": "hybridflow.demo:cli_demo",
 }

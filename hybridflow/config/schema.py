@@ -238,8 +238,10 @@ class OpConfig:
     (the step barrier); it receives micro-batch values concatenated along dim 0 in mb
     order, and micro-batch ops that consume its outputs get them sliced per micro-batch.
     `phase` names the op in `timing/<phase>` metrics and groups ops for sequential mode.
-    `timeout_s` bounds one task of this op (default `liveness.task_timeout_s`): a task not
-    answered within it ends the run with an error naming stage, op, step and this key.
+    `timeout_s` bounds one task of this op: a task not answered within it ends the run with
+    an error naming stage, op, step and this key. Unset, the op's default applies (the
+    table in pipeline/runtime/deadlines.py and the README: a reward `score` 10 min,
+    `generate` 30 min, ...; `liveness.task_timeout_s` for ops the table does not know).
     """
 
     role: str
@@ -249,7 +251,7 @@ class OpConfig:
     scope: Literal["micro_batch", "step"] = "micro_batch"
     phase: str = ""  # default: the op's name
     params: dict[str, Any] = field(default_factory=dict)  # scalars, passed in Task.params
-    timeout_s: float | None = None  # None: liveness.task_timeout_s
+    timeout_s: float | None = None  # None: the op's default (pipeline/runtime/deadlines.py)
 
     @property
     def phase_name(self) -> str:
@@ -300,15 +302,21 @@ class LivenessConfig:
     # A control call (checkpoint save) answered by every stage process within this bound;
     # the stages keep heartbeating meanwhile, so this bounds slow storage, not death.
     control_timeout_s: float = 600.0
-    # One task of a stage (or a driver op) answered within this bound, counted from when
-    # the stage reports it started (its heartbeats list the tasks running), or from when
-    # the coordinator started a driver op. An hour by default: generating long responses
-    # with a big model may take many minutes; set `timeout_s` on a dataflow op to bound
-    # quick ops (a reward function) tighter.
+    # The catch-all bound of one task of a stage (or a driver op), counted from when the
+    # stage reports it started (its heartbeats list the tasks running), or from when the
+    # coordinator started a driver op: for ops without a default of their own in
+    # pipeline/runtime/deadlines.py (a reward score 10 min, generate 30 min, ...), and a
+    # ceiling on those defaults. `timeout_s` on a dataflow op overrides both.
     task_timeout_s: float = 3600.0
+    # While anything is awaited longer than this (a task, a checkpoint save, a driver op,
+    # a data batch, stages at startup), a line every interval on the console and in the log
+    # names it: stage, op, step, micro-batch, for how long, the stage's last heartbeat and
+    # the bound. `hybridflow status RUN_DIR` shows the same for a live run.
+    report_interval_s: float = 60.0
 
     def validate(self, path: str) -> None:
         _finite_positive(self.task_timeout_s, _join(path, "task_timeout_s"))
+        _finite_positive(self.report_interval_s, _join(path, "report_interval_s"))
         for key in (
             "heartbeat_interval_s",
             "startup_timeout_s",

@@ -21,10 +21,14 @@ Which loop waits for what, and who unblocks it:
                    heartbeat ages (> liveness.heartbeat_timeout_s -> StageDeadError);
                    before all stages are ready, liveness.startup_timeout_s bounds setup;
                    task deadlines: a task running (as the stage's heartbeats report it)
-                   longer than its op's `timeout_s` (default liveness.task_timeout_s), or
+                   longer than its op's bound (pipeline/runtime/deadlines.py), or
                    listed by no heartbeat within liveness.heartbeat_timeout_s of its
                    sending (lost), and a driver op running longer than its bound ->
                    StageError (rules and messages: pipeline/runtime/peers.py).
+                   Every heartbeat interval: who waits on whom (pipeline/runtime/
+                   waiting.py): a warning line per wait longer than
+                   liveness.report_interval_s, once per interval, and status.json in
+                   the run_dir this process holds the lock of (runtime/status.py).
     undecodable    a message from a known stage that cannot be decoded while that stage
                    has tasks in flight (the channel's `on_bad_message`) -> StageError:
                    what it carried is lost, and waiting for it would hang.
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -70,9 +75,14 @@ from hybridflow.pipeline.checkpoint.store import Checkpointer, load_drivers, sav
 from hybridflow.pipeline.compiler.plan import Plan, ProcessInfo
 from hybridflow.pipeline.driver.registry import resolve_driver_op
 from hybridflow.pipeline.observe.metrics import MetricsSink
+from hybridflow.pipeline.runtime import waiting
+from hybridflow.pipeline.runtime.deadlines import Bound, op_bound
 from hybridflow.pipeline.runtime.launcher import Launcher
 from hybridflow.pipeline.runtime.peers import StagePeer, check_deadlines, check_liveness
+from hybridflow.pipeline.runtime.rundir_lock import held_here
 from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Dispatch, Event, Scheduler
+from hybridflow.pipeline.runtime.status import STATUS_FILE, StatusBoard
+from hybridflow.pipeline.runtime.waiting import Reporter, Wait
 from hybridflow.pipeline.runtime.workers import DaemonExecutor
 from hybridflow.pipeline.sources.registry import DataSource
 from hybridflow.transport import auth
@@ -195,6 +205,8 @@ class Coordinator:
         self._compute = DaemonExecutor("coordinator-compute")
         self._io = DaemonExecutor("coordinator-io")
         self._driver_started: dict[int, tuple[float, Dispatch]] = {}  # monotonic start
+        self._fetching: dict[int, float] = {}  # step -> monotonic start of its data batch
+        self._first_step = start_step
         self._wake = asyncio.Event()
         self._sink_writes: list[asyncio.Future[Any]] = []
         self._aux: set[asyncio.Task[Any]] = set()
@@ -206,6 +218,7 @@ class Coordinator:
         self._all_ready: asyncio.Future[None] = loop.create_future()
         t_launch = time.perf_counter()
         self._t_launch_mono = loop.time()
+        self._board = StatusBoard(self._status_path())
         up = all(p.ready for p in self.peers.values())  # a session's later job
         loops = [
             self._task(self._recv_loop(), "coordinator.recv"),
@@ -232,6 +245,7 @@ class Coordinator:
             await asyncio.gather(*loops, *self._aux, return_exceptions=True)
             self._compute.shutdown(wait=False, cancel_futures=True)
             self._io.shutdown(wait=False, cancel_futures=True)
+            self._board.close(self._status_doc([]))
         return RunResult(
             run_id=self.run_id,
             metrics=self.metrics,
@@ -442,7 +456,7 @@ class Coordinator:
                 await self._wake.wait()
                 self._wake.clear()
                 for step in self.sched.data_requests():
-                    self._spawn(self._fetch(step), f"coordinator.data.{step}")
+                    self._spawn(self._timed_fetch(step), f"coordinator.data.{step}")
                 for d in self.sched.ready():
                     if d.op.stage is None:
                         self._spawn(self._run_driver(d), f"coordinator.driver.{d.task_id}")
@@ -468,7 +482,7 @@ class Coordinator:
             op=op.op,
             params=dict(op.params),
         )
-        timeout_s, setting = self._deadline_of(d)
+        bound = self._deadline_of(d)
         for r in d.replicas:
             ident = f"{d.op.stage}/{r}".encode()
             peer = self.peers[ident]
@@ -480,13 +494,20 @@ class Coordinator:
                 # its exit status (a better message than "not connected").
                 await asyncio.sleep(0.5)
                 raise
-            peer.sent(d.task_id, asyncio.get_running_loop().time(), timeout_s, setting)
+            now = asyncio.get_running_loop().time()
+            peer.sent(d.task_id, now, bound.seconds, bound.key, note=bound.note)
 
-    def _deadline_of(self, d: Dispatch) -> tuple[float, str]:
-        """(seconds, the dotted key that sets it) bounding one task of `d`'s op."""
-        if d.op.cfg.timeout_s is not None:
-            return d.op.cfg.timeout_s, f"dataflow[{d.op.index}].timeout_s"
-        return self.topo.liveness.task_timeout_s, "liveness.task_timeout_s"
+    def _deadline_of(self, d: Dispatch) -> Bound:
+        """The bound of one task of `d`'s op (the table: pipeline/runtime/deadlines.py)."""
+        return op_bound(d.op.cfg, d.op.index, self.topo.liveness)
+
+    async def _timed_fetch(self, step: int) -> None:
+        """`_fetch`, shown by the waiting report while it runs."""
+        self._fetching[step] = time.monotonic()
+        try:
+            await self._fetch(step)
+        finally:
+            self._fetching.pop(step, None)
 
     async def _fetch(self, step: int) -> None:
         loop = asyncio.get_running_loop()
@@ -602,8 +623,17 @@ class Coordinator:
         live = self.topo.liveness
         tick = min(0.1, live.heartbeat_interval_s / 2)
         loop = asyncio.get_running_loop()
+        reporter = Reporter(live.report_interval_s)
+        look_every = min(live.heartbeat_interval_s, live.report_interval_s)
+        next_look = loop.time() + look_every
         while True:
             await asyncio.sleep(tick)
+            if loop.time() >= next_look:  # who waits on whom: log lines, status.json
+                next_look = loop.time() + look_every
+                found = self._waits()
+                for w in reporter.due(found, loop.time()):
+                    log.warning("%s", w.line())
+                self._board.update(self._status_doc(found))
             dead = check_liveness(
                 self.peers,
                 self.launcher.poll(),
@@ -624,17 +654,54 @@ class Coordinator:
                 self._fail(late)
                 return
 
+    def _waits(self) -> list[Wait]:
+        """Everything awaited now, longest first (pipeline/runtime/waiting.py)."""
+        now, mono, live = asyncio.get_running_loop().time(), time.monotonic(), self.topo.liveness
+        found = waiting.waits(self.peers.values(), now, mono, live)
+        if not self._all_ready.done():
+            found += waiting.startup_waits(self.peers.values(), now, self._t_launch_mono, live)
+        for t0, d in list(self._driver_started.values()):
+            bound = self._deadline_of(d)
+            found.append(waiting.driver_wait(d.op.label, d.step, d.mb_id, mono - t0, bound))
+        found += waiting.data_waits(self.topo.data.source, dict(self._fetching), mono)
+        return sorted(found, key=lambda w: -w.waited_s)
+
+    def _status_path(self) -> Path | None:
+        """status.json beside the run_dir lock this process holds, else None (eval)."""
+        from hybridflow.pipeline.runtime.session import run_dir_of  # session imports us
+
+        held = held_here(run_dir_of(self.topo))
+        return held / STATUS_FILE if held is not None else None
+
+    def _status_doc(self, found: list[Wait]) -> dict[str, Any]:
+        """What status.json says now (pipeline/runtime/status.py); `found`: the waits."""
+        state, error = "running", ""
+        if self._done.done():
+            exc = None if self._done.cancelled() else self._done.exception()
+            state, error = ("failed", str(exc).split("\n")[0]) if exc else ("done", "")
+        return {
+            "pid": os.getpid(),
+            "run_id": self.run_id,
+            "topology": self.topo.name,
+            "updated": time.time(),
+            "state": state,
+            "error": error,
+            "steps": f"{self._first_step}..{self.topo.run.steps - 1}",
+            "last_step": int(self.metrics[-1]["step"]) if self.metrics else None,
+            "waits": [w.to_json() for w in found],
+        }
+
     def _driver_late(self) -> StageError | None:
         """A driver op running longer than its bound (its thread is abandoned: daemon)."""
         now = time.monotonic()
         for t0, d in list(self._driver_started.values()):
-            timeout_s, setting = self._deadline_of(d)
-            if now - t0 > timeout_s:
+            bound = self._deadline_of(d)
+            if now - t0 > bound.seconds:
                 return StageError(
                     f"driver op {d.op.cfg.op} at step {d.step} "
                     + ("(step op)" if d.mb_id < 0 else f"micro-batch {d.mb_id}")
                     + f" has run {now - t0:.1f}s in the coordinator's compute thread; "
-                    f"`{setting}` = {timeout_s:g}s bounds it: raise it if the op is merely slow",
+                    f"{bound.text()} bounds it: raise it if the op is merely slow",
                     stage="driver",
                     step=d.step,
                     mb_id=d.mb_id,

@@ -1,9 +1,11 @@
 """What the coordinator knows about each stage replica, and when that means "dead".
 
 `StagePeer` is bookkeeping only: handshake state and the tasks sent and not yet answered
-(oldest first: the one it is working on). When each stage was last heard from lives in a
-`transport.liveness.PeerTable` (one last-seen table and silence rule for the code base). `check_liveness`
-turns that plus the launcher's exit reports into the run's error, or None:
+(oldest first: the one it is working on), and, for the waiting report
+(pipeline/runtime/waiting.py), its last heartbeat and when each task was given. When each
+stage was last heard from lives in a `transport.liveness.PeerTable` (one last-seen table
+and silence rule for the code base). `check_liveness` turns that plus the launcher's exit
+reports into the run's error, or None:
 
   - a process exited (kill -9, crash, early exit)      -> StageDeadError with its exit status
   - a connected stage silent > heartbeat_timeout_s     -> StageDeadError naming the setting
@@ -11,9 +13,9 @@ turns that plus the launcher's exit reports into the run's error, or None:
 `check_deadlines` bounds each task sent to a stage (the stage is alive, its task is not
 moving):
   - running longer than its op's deadline              -> StageError naming the op, step,
-    (`dataflow[i].timeout_s`, else                        micro-batch and the setting; the
-    `liveness.task_timeout_s`), counted from the first    clock starts when a heartbeat
-    heartbeat that lists it running                       first lists the task running
+    (`dataflow[i].timeout_s`, else the op's default       micro-batch and the setting; the
+    in pipeline/runtime/deadlines.py), counted from the   clock starts when a heartbeat
+    first heartbeat that lists it running                 first lists the task running
   - listed by no heartbeat (queued or running) for     -> StageError: the Task was lost on
     liveness.heartbeat_timeout_s after it was sent        the way or the stage could not
                                                           decode it
@@ -23,6 +25,7 @@ The coordinator's liveness loop calls both on a short tick; they never block.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +49,11 @@ class TaskClock:
     sent: float  # when the Task left the coordinator
     started: float = 0.0  # when a heartbeat first listed it running (0: not yet)
     seen: bool = False  # a heartbeat listed it (queued or running): the stage has it
+    note: str = ""  # why this bound when `setting` is unset (deadlines.Bound.note)
+
+    @property
+    def bound(self) -> str:
+        return f"`{self.setting}` = {self.timeout_s:g}s" + (f" ({self.note})" if self.note else "")
 
 
 @dataclass
@@ -58,6 +66,13 @@ class StagePeer:
     last_given: TaskRef | None = None
     clocks: dict[int, TaskClock] = field(default_factory=dict)  # task_id -> its deadline
     worker_busy_s: float = 0.0  # from the last heartbeat
+    # For the waiting report (pipeline/runtime/waiting.py): the last heartbeat and when
+    # it came (loop clock), when each task in flight was given and when the last answer
+    # came (time.monotonic(): `given` is called where no loop clock is passed in).
+    heartbeat: Heartbeat | None = None
+    heartbeat_at: float = 0.0
+    given_at: dict[int, float] = field(default_factory=dict)
+    last_result_at: float = 0.0
 
     @property
     def ident(self) -> bytes:
@@ -65,19 +80,25 @@ class StagePeer:
 
     def given(self, task_id: int, task: TaskRef) -> None:
         self.inflight[task_id] = self.last_given = task
+        self.given_at[task_id] = time.monotonic()
 
     def answered(self, task_id: int) -> None:
         self.inflight.pop(task_id, None)
         self.clocks.pop(task_id, None)
+        if self.given_at.pop(task_id, None) is not None:
+            self.last_result_at = time.monotonic()
 
-    def sent(self, task_id: int, now: float, timeout_s: float, setting: str) -> None:
+    def sent(
+        self, task_id: int, now: float, timeout_s: float, setting: str, note: str = ""
+    ) -> None:
         """The Task left the coordinator: its lost-task bound starts now."""
         if task_id in self.inflight:  # not answered meanwhile
-            self.clocks[task_id] = TaskClock(timeout_s, setting, now)
+            self.clocks[task_id] = TaskClock(timeout_s, setting, now, note=note)
 
     def progress(self, hb: Heartbeat, now: float) -> None:
         """A heartbeat's task lists: start the deadline of tasks it shows running."""
         self.worker_busy_s = hb.worker_busy_s
+        self.heartbeat, self.heartbeat_at = hb, now
         for task_id in hb.running:
             clock = self.clocks.get(task_id)
             if clock is not None:
@@ -133,7 +154,7 @@ def check_deadlines(
                 return StageError(
                     f"{peer.name()}: {task_text(ref)} not answered {clock.timeout_s:g}s after "
                     f"it started (the stage is alive but the task is stuck{stuck}); "
-                    f"`{clock.setting}` = {clock.timeout_s:g}s bounds one task of this op: "
+                    f"{clock.bound} bounds one task of this op: "
                     "raise it if the op is merely slow",
                     **where,
                 )
