@@ -229,14 +229,3 @@ def write_dataset(
             path.write_text("".join(json.dumps(r) + "\n" for r in records))
         paths.append(path)
     return paths[0], paths[1]
-
-
-def final_answer(text: str) -> str | None:
-    """The number after the last "####" in `text` (commas dropped), or None."""
-    if "####" not in text:
-        return None
-    tail = text.rsplit("####", 1)[1].strip().split()
-    if not tail:
-        return None
-    token = tail[0].replace(",", "").rstrip(".")
-    return token if token.lstrip("-").isdigit() else None

@@ -88,12 +88,3 @@ def test_write_dataset_reads_back_through_the_data_sources(tmp_path, fmt):
     assert (train_path.name, test_path.name) == (f"train.{fmt}", f"test.{fmt}")
     assert load_records(str(train_path)) == wp.generate(40, seed=5, split="train")
     assert load_records(str(test_path)) == wp.generate(10, seed=5, split="test")
-
-
-def test_final_answer():
-    assert wp.final_answer("a: 1+2=3.\n#### 3") == "3"
-    assert wp.final_answer("#### 1,234.") == "1234"
-    assert wp.final_answer("#### -4 apples") == "-4"
-    assert wp.final_answer("3") is None
-    assert wp.final_answer("#### x") is None
-    assert wp.final_answer("####") is None
