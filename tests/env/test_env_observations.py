@@ -34,6 +34,12 @@ def test_chatml_delta_is_the_observation_turn_plus_the_generation_prompt():
     assert enc.after_stop_ids == encode(tok, "\n")
 
 
+def test_a_turn_end_that_is_no_stop_token_is_refused():
+    # the ChatML tokenizer's EOS is <eos>; its turns end with <|im_end|>
+    with pytest.raises(ConfigError, match="pass the id that ends a model turn as stop_token_ids"):
+        ObservationEncoder(chatml_tokenizer())
+
+
 def test_an_unclosed_turn_is_closed_first():
     tok = chatml_tokenizer()
     enc = ObservationEncoder(tok, stop_token_ids=[im_end(tok)])

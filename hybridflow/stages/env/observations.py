@@ -19,7 +19,10 @@ text, and F's ids with B's ids (a template that renders earlier messages differe
 once more follow, or a BPE merge across the boundary, is a ConfigError naming the
 template, never a silent drift). The model's turn ended with its stop token, which the
 template also writes after the assistant's content; what the template writes after that
-token (ChatML's "\\n" after <|im_end|>) is not generated, so it leads the delta.
+token (ChatML's "\\n" after <|im_end|>) is not generated, so it leads the delta. A
+template whose assistant turns end with no stop token (a ChatML template on a tokenizer
+whose EOS is <|endoftext|>) is refused until `stop_token_ids` names the one that ends a
+turn: otherwise that separator would silently go missing.
 
 Without a chat template, the observation is each message's content plus "\\n", as plain
 text tokenized without special tokens. A token-id observation is passed through (each id
@@ -76,9 +79,18 @@ class ObservationEncoder:
         if self.templated:
             self._base_text = self._render(list(DUMMY_CONVERSATION), generation_prompt=False)
             self._base_ids = self._tokenize(self._base_text)
-            stops = [i for i, t in enumerate(self._base_ids) if t in self.stop_ids]
             # what closes an assistant turn: its stop token and what the template writes after
-            self._closing = self._base_ids[stops[-1] :] if stops else []
+            after = self._base_text[self._base_text.rfind(DUMMY_CONVERSATION[-1]["content"]) :]
+            after = after[len(DUMMY_CONVERSATION[-1]["content"]) :]
+            if after and not self.stop_ids.intersection(self._tokenize(after)):
+                raise ConfigError(
+                    _PATH,
+                    f"the template ends an assistant turn with {after!r}, which holds none of "
+                    f"the stop tokens {sorted(self.stop_ids)}: pass the id that ends a model "
+                    "turn as stop_token_ids (e.g. <|im_end|> where the EOS is <|endoftext|>)",
+                )
+            stops = [i for i, t in enumerate(self._base_ids) if t in self.stop_ids]
+            self._closing = self._base_ids[stops[-1] :] if after and stops else []
         else:
             self._base_text, self._base_ids, self._closing = "", [], []
 

@@ -15,10 +15,11 @@ One step, for one model turn:
           -> observation: one {"role": "tool", "name": ..., "content": ...} message per
              call, in the order of the calls; reward 0.0; not done
 
-`info` per step counts `tool_calls` (calls attempted, rejected ones included),
-`tool_errors` (a malformed call, an unknown tool, arguments that do not fit the schema,
-a tool that raised or timed out: each is a tool message saying what went wrong, never an
-exception) and `tool_s` (seconds in tools). The done step adds `max_turns_reached` (1
+`info` per step counts `tool_calls` (calls the model made on a turn that runs them,
+rejected ones included; 0 on the done step, whose calls are not run), `tool_errors` (a
+malformed call, an unknown tool, arguments that do not fit the schema, a tool that
+raised or timed out, a call past `max_calls_per_turn`: each is a tool message saying
+what went wrong, never an exception) and `tool_s` (seconds in tools). The done step adds `max_turns_reached` (1
 when the turn limit, not the model, ended it), the reward's extras (`acc`, `pred`, ...)
 and `reward_failures`.
 
@@ -135,7 +136,12 @@ class ToolEnv:
                 raise ConfigError(f"env_options.{key}", f"must be > 0 seconds, got {value}")
         self.tools = {t.name: t for t in load_tools(tools, "env_options.tools")}
         self.reward = load_reward(reward, "env_options.reward")
-        self.parser = get_parser(parser, "env_options.parser", max_calls=max_calls_per_turn)
+        if max_calls_per_turn < 1:
+            raise ConfigError(
+                "env_options.max_calls_per_turn", f"must be >= 1, got {max_calls_per_turn}"
+            )
+        self.parser = get_parser(parser, "env_options.parser")
+        self.max_calls_per_turn = max_calls_per_turn
         self.max_turns = max_turns
         self.tool_timeout_s, self.reward_timeout_s = tool_timeout_s, reward_timeout_s
         self.max_result_chars = max_result_chars
@@ -172,8 +178,11 @@ class ToolEnv:
             reward, extras = await self._score()
             info.update(extras)
             return StepResult(Observation.empty(), reward, done=True, info=info)
+        items = list(turn.items)
+        for k in range(self.max_calls_per_turn, len(items)):  # past the limit: not run
+            items[k] = ParseError(f"more than {self.max_calls_per_turn} tool calls in one turn")
         t0 = time.perf_counter()
-        outcomes = await asyncio.gather(*(self._run(item) for item in turn.items))
+        outcomes = await asyncio.gather(*(self._run(item) for item in items))
         info["tool_s"] = time.perf_counter() - t0
         info["tool_errors"] = sum(not o.ok for o in outcomes)
         messages: list[Message] = []
