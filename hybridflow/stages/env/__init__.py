@@ -15,7 +15,8 @@ One trajectory, as the loop runs it (token-in/token-out: ids are only ever appen
 
     env = factory()                                   # registry.make_env_factory
     first = await call(env.reset, record)             # EMPTY: keep the dataset's prompt
-    enc = ObservationEncoder(tokenizer, tools=getattr(env, "tools_schema", list)())
+    enc = ObservationEncoder(tokenizer, tools=getattr(env, "tools_schema", list)(),
+                             stop_token_ids=[<the id ending a turn, e.g. <|im_end|>>])
     traj = Trajectory(prompt_ids)
     while True:
         ids, logprobs, stopped = <engine: continue traj.context_ids()>
