@@ -46,11 +46,13 @@ temporary `.tmp-` name and are swept at the next save).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import random
+import re
 import shutil
 import time
 import uuid
@@ -143,14 +145,40 @@ def decode_tree(node: Any, tensors: Mapping[str, torch.Tensor], where: str) -> A
 
 
 def write_state(state: Any, directory: Path, name: str) -> None:
-    """`<name>.json` + `<name>.safetensors` (the latter only if there are tensors)."""
+    """`<name>.json` + `<name>.safetensors` (the latter only if there are tensors).
+    A failed write is an OSError naming the file (`_writing`)."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     tree = encode_tree(state, tensors)
     if tensors:
-        save_file(tensors, str(directory / f"{name}.safetensors"))
-    (directory / f"{name}.json").write_text(json.dumps(tree, allow_nan=False))
+        blob = directory / f"{name}.safetensors"
+        with _writing(blob):
+            save_file(tensors, str(blob))
+    text = directory / f"{name}.json"
+    with _writing(text):
+        text.write_text(json.dumps(tree, allow_nan=False))
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Write errors as an OSError that names `path` and keeps the errno (ENOSPC on a full
+    disk): a write() fails with no file name, and safetensors reports its I/O errors as
+    text ("... (os error 28)"), so the caller would otherwise learn neither."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    except Exception as exc:
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise OSError(f"cannot write {path}: {exc}") from exc
+        num = int(code.group(1))
+        raise OSError(num, os.strerror(num), str(path)) from exc
 
 
 def read_state(directory: Path, name: str) -> Any:
@@ -436,22 +464,39 @@ class Checkpointer:
     def begin(self, step: int) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(f"{_TMP}*"):  # an earlier crash mid-save
-            shutil.rmtree(stale, ignore_errors=True)
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:  # a `latest` pointer that was never moved into place
+                stale.unlink(missing_ok=True)
         tmp = self.root / f"{_TMP}{_PREFIX}{step + 1:08d}-{uuid.uuid4().hex[:6]}"
         tmp.mkdir()
         return tmp
 
     def commit(self, tmp: Path, meta: dict[str, Any]) -> Path:
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, allow_nan=False))
+        """meta.json, rename to step-*, then `latest`. A failed write is an OSError naming
+        the file it was for; nothing temporary stays behind (a partial checkpoint is
+        removed: on a full disk its space is what the user needs back)."""
+        try:
+            with _writing(tmp / "meta.json"):
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=1, allow_nan=False))
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         final = self.root / f"{_PREFIX}{int(meta['step']):08d}"
         if final.exists():  # the same step saved again (a re-run): replace it whole
             trash = self.root / f"{_TMP}old-{uuid.uuid4().hex[:6]}"
             os.rename(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
         os.rename(tmp, final)
+        # From here `final` is complete; `latest` names it once the pointer is in place.
         pointer = self.root / f"{_TMP}latest-{uuid.uuid4().hex[:6]}"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, self.root / "latest")
+        try:
+            with _writing(self.root / "latest"):
+                pointer.write_text(final.name + "\n")
+                os.replace(pointer, self.root / "latest")
+        except OSError:
+            pointer.unlink(missing_ok=True)
+            raise
         self._prune(keep=final)
         return final
 

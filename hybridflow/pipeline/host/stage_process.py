@@ -94,6 +94,7 @@ log = logging.getLogger("hybridflow.stage")
 
 
 _current_step = "-"  # step of the task in the worker thread (shown in log lines)
+CONTROL = "control"  # the `role` of a Failure of a Control call: "control.checkpoint_save"
 
 
 def _add_step(record: logging.LogRecord) -> bool:
@@ -508,7 +509,7 @@ class StageProcess:
             name = type(call).__struct_config__.tag
             log.error("control call %s failed: %r", name, exc)
             await self._send_failure(
-                self._failure(msg.control_id, msg.step, -1, "", str(name), exc)
+                self._failure(msg.control_id, msg.step, -1, CONTROL, str(name), exc)
             )
         finally:
             self._running -= 1
@@ -556,7 +557,7 @@ class StageProcess:
         if isinstance(msg, Task):
             task_id, step, mb, role, op = msg.task_id, msg.step, msg.mb_id, msg.role, msg.op
         elif isinstance(msg, Control):
-            task_id, step, mb, role = msg.control_id, msg.step, -1, ""
+            task_id, step, mb, role = msg.control_id, msg.step, -1, CONTROL
             op = str(type(msg.call).__struct_config__.tag)
         else:
             return

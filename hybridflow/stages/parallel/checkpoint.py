@@ -13,6 +13,10 @@ Layout: <directory>/shard-<rank+1>-model-00001-of-00001.safetensors, keys
 
 Invariants: save and load are collective over the role's group (every rank calls them);
 resuming on the same number of ranks restores every tensor bit-exactly.
+
+Errors: DCP wraps what failed in a `CheckpointException`, which derives from
+BaseException (not Exception): it is translated here, in one place, into what the caller
+can name. A failed write is an `OSError` naming the directory (a full disk: ENOSPC).
 """
 
 from __future__ import annotations
@@ -73,15 +77,19 @@ def save(
 ) -> dict[str, Any]:
     """Write this rank's shards into `directory`; -> the non-tensor optimizer state."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     tensors, osd, _ = _tensors(model, optimizer)
     directory.mkdir(parents=True, exist_ok=True)
-    with _quiet(alone):
-        dcp.save(
-            tensors,
-            storage_writer=dcp.HuggingFaceStorageWriter(str(directory), save_distributed=True),
-            no_dist=alone,  # no group: one process writes the lone shard
-        )
+    try:
+        with _quiet(alone):
+            dcp.save(
+                tensors,
+                storage_writer=dcp.HuggingFaceStorageWriter(str(directory), save_distributed=True),
+                no_dist=alone,  # no group: one process writes the lone shard
+            )
+    except CheckpointException as exc:  # a BaseException: named here (module docstring)
+        raise _write_error(exc, directory) from exc
     steps = {fqn: float(s["step"]) for fqn, s in osd["state"].items() if "step" in s}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
     return {"steps": steps, "param_groups": groups}
@@ -138,3 +146,23 @@ def read_full(directory: Path, prefix: str) -> dict[str, torch.Tensor]:
     with _quiet(True):
         dcp.load(out, storage_reader=dcp.HuggingFaceStorageReader(str(directory)), no_dist=True)
     return {k[len(prefix) :]: v for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# Errors
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """What failed inside DCP's CheckpointException (the first failing rank's own)."""
+    failures = getattr(exc, "failures", None) or {}
+    for _, (inner, _tb) in sorted(failures.items()):
+        return inner
+    return exc
+
+
+def _write_error(exc: BaseException, directory: Path) -> Exception:
+    cause = _cause(exc)
+    if isinstance(cause, OSError) and cause.errno is not None:
+        # OSError(errno, ...) keeps the kind (ENOSPC, EACCES, ...) and names the path.
+        return OSError(cause.errno, f"{cause.strerror} (writing weight shards)", str(directory))
+    return OSError(f"writing weight shards to {directory}: {type(cause).__name__}: {cause}")
