@@ -12,7 +12,13 @@ key that held the string, saying whether the module or the attribute is missing.
 Invariants: a string is imported with `importlib` and `getattr`, never `eval`'d;
 `split_spec` imports nothing (safe at build time, before any process exists); inside
 `cwd_off_path()` (what `hybridflow validate` uses) nothing loads from the working
-directory unless it is named in PYTHONPATH.
+directory unless it is named in PYTHONPATH; inside `cwd_off_path(allow=True)` it does,
+after installed packages (a `json.py` there still cannot shadow the real one).
+
+Where the working directory is on `sys.path` at all: the console script (`hybridflow`)
+puts its own bin/ first, not the working directory; `python -m hybridflow` would put the
+working directory first, and hybridflow/__main__.py takes it off before anything else is
+imported, so both entry points see the same path; stage processes run `python -P`.
 """
 
 from __future__ import annotations
@@ -26,18 +32,33 @@ from typing import Any
 
 from hybridflow.errors import ConfigError
 
-__all__ = ["cwd_off_path", "load_attr", "split_spec"]
+__all__ = ["cwd_off_path", "load_attr", "split_spec", "stage_import_path"]
+
+# The directory holding hybridflow/: what the launcher puts on a stage process's PYTHONPATH
+# (pipeline/runtime/launcher.py), so modules beside the package import there.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
 @contextlib.contextmanager
 def cwd_off_path(*, allow: bool = False) -> Iterator[None]:
     """While inside, the working directory is off `sys.path` (the implicit entry that
     `python -m`, `-c` and a REPL put first: a `json.py` there would shadow the real one),
-    unless PYTHONPATH names it or `allow`. What `python -P` does for a whole process."""
-    if allow:
-        yield
-        return
+    unless PYTHONPATH names it. What `python -P` does for a whole process.
+
+    With `allow`, the opposite: the working directory is importable while inside, last on
+    the path (after installed packages), whatever entry point started the process (the
+    console script never puts it there)."""
     cwd = os.path.realpath(os.getcwd())
+    if allow:
+        added = cwd not in {os.path.realpath(p or ".") for p in sys.path}
+        if added:
+            sys.path.append(cwd)
+        try:
+            yield
+        finally:
+            if added and cwd in sys.path:
+                sys.path.remove(cwd)
+        return
     named = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     saved = list(sys.path)
     sys.path[:] = [
@@ -47,6 +68,21 @@ def cwd_off_path(*, allow: bool = False) -> Iterator[None]:
         yield
     finally:
         sys.path[:] = saved
+
+
+@contextlib.contextmanager
+def stage_import_path() -> Iterator[None]:
+    """While inside, `sys.path` also holds what a stage process's path holds and this
+    process's may not (the directory holding hybridflow/, last): a module a stage will
+    import is checked here as the stage will find it."""
+    added = PACKAGE_ROOT not in {os.path.realpath(p or ".") for p in sys.path}
+    if added:
+        sys.path.append(PACKAGE_ROOT)
+    try:
+        yield
+    finally:
+        if added and PACKAGE_ROOT in sys.path:
+            sys.path.remove(PACKAGE_ROOT)
 
 
 def split_spec(spec: object, path: str, *, form: str = "package.module:attr") -> tuple[str, str]:

@@ -2,7 +2,9 @@
 
 Consumes a `Topology` (config/schema.py, already structurally valid) and checks what
 needs the registries the config layer may not import: backends (hybridflow.stages), data
-sources, driver ops, metrics sinks and, when asked, that the devices exist. Produces the
+sources, driver ops, metrics sinks, the Python callables a role's options name (a function
+reward's `function:`, imported as its stage process would import it) and, when asked,
+that the devices exist. Produces the
 `Plan` the coordinator and launcher work from, and the human/JSON description printed by
 `hybridflow validate`.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.config.imports import load_attr
+from hybridflow.config.imports import load_attr, stage_import_path
 from hybridflow.config.loader import config_hash, from_dict
 from hybridflow.config.schema import DRIVER_ROLE, OpConfig, Topology
 from hybridflow.errors import ConfigError
@@ -204,8 +206,21 @@ def _check_role_options(target: str, options: dict[str, Any], path: str) -> type
     cls: type = load_attr(target, path.rsplit(".", 1)[0] + ".backend")
     options_cls = getattr(cls, "options_cls", None)
     if options_cls is not None:
-        from_dict(options_cls, dict(options), path)
+        _check_named_callable(from_dict(options_cls, dict(options), path), path)
     return cls
+
+
+def _check_named_callable(opts: Any, path: str) -> None:
+    """Options that name a Python callable for the stage to run declare `target(path)` ->
+    its "package.module:function" (the function reward: its `function:` or the module of
+    its `scorer:`). Import it now, on the path the stage process will have, so a missing
+    module or attribute fails at validate naming its key, not in the stage's setup."""
+    target = getattr(opts, "target", None)
+    if not callable(target):
+        return
+    key = f"{path}.scorer" if getattr(opts, "scorer", "") else f"{path}.function"
+    with stage_import_path():
+        load_attr(target(path), key, callable_only=True, form="package.module:function")
 
 
 def _check_ops(topo: Topology, classes: dict[str, type]) -> None:
