@@ -19,6 +19,11 @@ YAML is read by `parse_yaml`, which refuses what `yaml.safe_load` lets through:
                           (or refer to themselves) is refused before anything walks it
   - nesting deeper than the parser's recursion -> ConfigError naming the file
 Numbers: a `float` field takes finite numbers only (`.nan`, `.inf` name their key).
+YAML reads numbers as YAML 1.2 and JSON do: `1e-9`, `3E5` and `1.0e5` are floats (PyYAML's
+YAML 1.1 rules, which need a dot and a signed exponent, would read them as strings), in a
+file, in `--set` values and in options of any type. A string stays a string: a quoted
+number (`lr: "1e-5"`) in a numeric field is an error saying so (remove the quotes), never
+converted silently; a string field given an unquoted number is an error too (quote it).
 
 Invariant: a successfully loaded config is fully typed and validated; nothing downstream
 re-checks types.
@@ -46,6 +51,20 @@ from hybridflow.errors import ConfigError
 T = TypeVar("T")
 
 
+class _Loader(yaml.SafeLoader):
+    """`yaml.SafeLoader` with YAML 1.2's floats: a number with an exponent needs no dot
+    and no exponent sign (`1e-9`, `5E3`, `.5e1`). add_implicit_resolver copies the
+    resolver table for this class, so yaml.SafeLoader itself is left as it is."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9_]*)?)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
+# A string that a numeric field would have taken as a number without its quotes.
+_NUMBER = re.compile(r"^\s*[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?\s*$")
+
 # A topology is a few hundred nodes; aliases may share subtrees, but a document that
 # would expand to more than this is an alias bomb (or a mistake), never a config.
 MAX_YAML_NODES = 100_000
@@ -67,7 +86,7 @@ def parse_yaml(text: str, where: str) -> Any:
     """`yaml.safe_load(text)` (tags never construct objects), with the checks of the
     module docstring run on the composed node graph before anything is constructed.
     `where` names the source (a file, `--set key`) in errors."""
-    loader = yaml.SafeLoader(text)
+    loader = _Loader(text)
     try:
         try:
             node = loader.get_single_node()
@@ -211,6 +230,13 @@ def _describe(v: Any) -> str:
     return f"{type(v).__name__} {text}"
 
 
+def _quoted_number(value: Any) -> str:
+    """The hint for a numeric field given a string that looks like a number."""
+    if isinstance(value, str) and _NUMBER.match(value):
+        return f": a quoted number; write it without quotes ({value.strip()})"
+    return ""
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
@@ -291,7 +317,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(path, f"expected int, got {_describe(value)}")
+        raise ConfigError(path, f"expected int, got {_describe(value)}{_quoted_number(value)}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
@@ -301,7 +327,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             if not math.isfinite(number):
                 raise ConfigError(path, f"must be a finite number, got {value!r}")
             return number
-        raise ConfigError(path, f"expected a number, got {_describe(value)}")
+        raise ConfigError(path, f"expected a number, got {_describe(value)}{_quoted_number(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
