@@ -40,6 +40,17 @@ refuses any JSON node it does not recognise. Who calls what:
     change between save and resume); a role that takes weights
     (`update_weights`: the rollout engines) gets the policy weights of the checkpoint's
     actor, so a resumed run generates with the trained policy from its first step.
+Reading validates before it trusts (`resolve`, run before any stage starts, and the
+stage-side readers again): `latest` must name a complete `step-*` directory of save_dir
+itself; meta.json is parsed strictly (`_META`); every safetensors file's header and size
+are checked (stages/parallel/checkpoint.py `check_file`) and every JSON state file parses.
+Each refusal is one line, a ConfigError naming the file and the key. A damaged newest
+checkpoint is refused, never silently replaced by an older one; only a save_dir without
+any `latest` resumes its newest complete checkpoint, with a warning that says so.
+
+Writing names what it could not write: a failed write is an OSError with the errno
+(ENOSPC on a full disk) and the file's path; a failed commit leaves nothing temporary.
+
 Invariant: a directory named step-* that exists is complete (partial ones keep their
 temporary `.tmp-` name and are swept at the next save).
 """
@@ -182,16 +193,27 @@ def _writing(path: Path) -> Iterator[None]:
 
 
 def read_state(directory: Path, name: str) -> Any:
+    """What `write_state` wrote; each file checked before it is trusted (`_read_json`,
+    `check_file`): a damaged one is a ConfigError naming it."""
     from safetensors.torch import load_file
 
-    where = str(directory / f"{name}.json")
-    try:
-        tree = json.loads((directory / f"{name}.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise PipelineError(f"checkpoint file {where} is unreadable: {exc}") from exc
+    from hybridflow.stages.parallel.checkpoint import check_file
+
+    where = directory / f"{name}.json"
+    tree = _read_json(where)
     blob = directory / f"{name}.safetensors"
-    tensors = load_file(str(blob)) if blob.is_file() else {}
-    return decode_tree(tree, tensors, where)
+    tensors = {}
+    if blob.is_file():
+        check_file(blob)
+        tensors = load_file(str(blob))
+    return decode_tree(tree, tensors, str(where))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: JSON, UTF-8
+        raise ConfigError("resume_from", f"checkpoint file {path} is unreadable: {exc}") from exc
 
 
 # ---------------------------------------------------------------------------------------
@@ -375,7 +397,10 @@ def policy_weights(root: Path) -> dict[str, torch.Tensor]:
     # An actor backend without shards (e.g. synthetic) keeps its weights in its state.
     from safetensors.torch import load_file
 
+    from hybridflow.stages.parallel.checkpoint import check_file
+
     blob = stage_dir(root, actor["stage"], 0) / f"{actor['role']}.safetensors"
+    check_file(blob)
     tensors = load_file(str(blob))
     prefix = "model."
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
@@ -510,34 +535,121 @@ class Checkpointer:
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+    """Complete checkpoints under `root` (directories of it, not links), oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and (p / "meta.json").is_file()]
+    found = [
+        p
+        for p in root.glob(f"{_PREFIX}*")
+        if p.is_dir() and not p.is_symlink() and (p / "meta.json").is_file()
+    ]
     return sorted(found, key=lambda p: p.name)
 
 
 def resolve(resume_from: str | Path, save_dir: str | Path | None = None) -> Path:
-    """`"latest"` (under `save_dir`), a checkpoint directory, or a save_dir (its latest)."""
+    """`"latest"` (under `save_dir`), a checkpoint directory, or a save_dir (its latest)
+    -> a checkpoint directory whose files passed `check_files`.
+
+    Validates before it trusts: a `latest` that names no complete checkpoint directory
+    inside its save_dir is refused (`_latest`), never replaced by an older checkpoint
+    without a word. Every refusal is a one-line ConfigError naming the file at fault."""
     if str(resume_from) == "latest":
         if save_dir is None:
             raise ConfigError("resume_from", "'latest' needs a save_path (save_checkpoint)")
-        root = Path(save_dir)
-        pointer = root / "latest"
-        if pointer.is_file():
-            path = root / pointer.read_text().strip()
-            if (path / "meta.json").is_file():
-                return path
+        path = _latest(Path(save_dir))
+    else:
+        path = Path(resume_from)
+        if not (path / "meta.json").is_file():
+            pointer = path / "latest"
+            if not (path.is_dir() and (pointer.exists() or list_checkpoints(path))):
+                raise ConfigError(
+                    "resume_from", f"{str(path)!r} is not a checkpoint (no meta.json)"
+                )
+            path = _latest(path)  # a save_dir: its latest
+    check_files(path)
+    return path
+
+
+_NAME = re.compile(rf"{_PREFIX}\d{{8}}")
+
+
+def _latest(root: Path) -> Path:
+    """The checkpoint `root/latest` names: a directory `step-NNNNNNNN` of `root` itself
+    (not a path elsewhere, not a link out of it) holding a meta.json. Without a `latest`
+    (a save that died before writing it, a directory copied by hand) the newest complete
+    checkpoint is used, and a warning says so and why."""
+    pointer = root / "latest"
+    if not pointer.exists() and not pointer.is_symlink():
         done = list_checkpoints(root)
         if not done:
             raise ConfigError("resume_from", f"no checkpoint under {str(root)!r} to resume from")
+        log.warning(
+            "%s has no `latest` pointer: resuming from %s, the newest complete checkpoint there",
+            root,
+            done[-1],
+        )
         return done[-1]
-    path = Path(resume_from)
-    if (path / "meta.json").is_file():
-        return path
-    if path.is_dir() and ((path / "latest").is_file() or list_checkpoints(path)):
-        return resolve("latest", path)
-    raise ConfigError("resume_from", f"{str(path)!r} is not a checkpoint (no meta.json)")
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except OSError as exc:
+        raise ConfigError("resume_from", f"{pointer}: cannot be read: {exc}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(
+            "resume_from",
+            f"{pointer}: is not text; it must hold the name of a checkpoint directory of "
+            f"{root} ({_PREFIX}NNNNNNNN)" + _newest(root, ""),
+        ) from None
+    shown = repr(name if len(name) <= 80 else name[:80] + "...")
+    if "/" in name or os.sep in name or name in (".", ".."):
+        raise ConfigError(
+            "resume_from",
+            f"{pointer}: names {shown}, a path outside {root}; `latest` must name a "
+            f"checkpoint directory inside its save_dir ({_PREFIX}NNNNNNNN)",
+        )
+    if not _NAME.fullmatch(name):
+        raise ConfigError(
+            "resume_from",
+            f"{pointer}: names {shown}, which is not a checkpoint directory name "
+            f"({_PREFIX}NNNNNNNN)" + _newest(root, name),
+        )
+    path = root / name
+    if path.exists() and path.resolve().parent != root.resolve():
+        raise ConfigError(
+            "resume_from",
+            f"{pointer}: names {name}, a link to {path.resolve()}, outside {root}; `latest` "
+            "must name a checkpoint directory inside its save_dir",
+        )
+    if not path.is_dir():
+        raise ConfigError(
+            "resume_from", f"{pointer}: names {name}, which does not exist" + _newest(root, name)
+        )
+    if not (path / "meta.json").is_file():
+        raise ConfigError(
+            "resume_from",
+            f"{pointer}: names {name}, which has no meta.json (an incomplete or damaged "
+            "checkpoint)" + _newest(root, name),
+        )
+    return path
+
+
+def _newest(root: Path, but: str) -> str:
+    """What a refusal of `latest` can offer instead: the newest complete checkpoint."""
+    done = [p for p in list_checkpoints(root) if p.name != but]
+    if not done:
+        return f"; there is no other complete checkpoint under {root}"
+    return f"; the newest complete checkpoint is {done[-1]}: resume from that directory"
+
+
+def check_files(root: Path) -> None:
+    """Every file a resume reads, checked before any is loaded: each safetensors file
+    (header, tensor sizes, file size: `check_file`) and each JSON state file parses."""
+    from hybridflow.stages.parallel.checkpoint import check_file
+
+    for path in sorted(root.rglob("*.safetensors")):
+        check_file(path)
+    for part in ("stages", "coordinator"):
+        for path in sorted((root / part).rglob("*.json")):
+            _read_json(path)
 
 
 def stage_layout(stages: Mapping[str, Any]) -> dict[str, Any]:
@@ -549,15 +661,74 @@ def stage_layout(stages: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _nonneg_int(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _is_actor(v: Any) -> bool:
+    return v is None or (
+        isinstance(v, dict)
+        and set(v) == {"stage", "role"}
+        and all(isinstance(x, str) and x for x in v.values())
+    )
+
+
+# meta.json, as `Checkpointer.meta` writes it: key -> (required, check, what it must be).
+_META: dict[str, tuple[bool, Any, str]] = {
+    "format": (True, lambda v: type(v) is int and v == FORMAT, f"{FORMAT}"),
+    "hybridflow": (False, lambda v: isinstance(v, str), "a version string"),
+    "step": (True, lambda v: type(v) is int and v >= 1, "an integer >= 1 (steps done)"),
+    "seed": (True, lambda v: type(v) is int, "an integer"),
+    "policy_version": (True, _nonneg_int, "an integer >= 0"),
+    "data": (
+        False,
+        lambda v: isinstance(v, dict) and all(_nonneg_int(x) for x in v.values()),
+        "an object of integers >= 0 (next_step, samples_seen)",
+    ),
+    "actor": (True, _is_actor, 'null or {"stage": ..., "role": ...}'),
+    "created": (
+        False,
+        lambda v: type(v) in (int, float) and math.isfinite(v),
+        "a number (seconds since the epoch)",
+    ),
+    "config": (
+        True,
+        lambda v: isinstance(v, dict) and isinstance(v.get("stages"), dict),
+        "the run's topology (an object with `stages`)",
+    ),
+    "extra": (False, lambda v: isinstance(v, dict), "an object"),
+}
+
+
 def read_meta(root: Path) -> dict[str, Any]:
+    """meta.json of checkpoint `root`, parsed strictly (`_META`): a value of the wrong
+    type, a missing or an unknown key is a ConfigError naming the file and the key."""
+    path = Path(root) / "meta.json"
     try:
-        meta = json.loads((Path(root) / "meta.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError("resume_from", f"{str(root)!r}: cannot read meta.json: {exc}") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        meta = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError("resume_from", f"{path}: cannot be read: {exc}") from exc
+    except ValueError as exc:
+        raise ConfigError("resume_from", f"{path}: is not JSON: {exc}") from None
+    if not isinstance(meta, dict) or not _META["format"][1](meta.get("format")):
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ConfigError(
-            "resume_from", f"{str(root)!r}: not a hybridflow checkpoint of format {FORMAT}"
+            "resume_from",
+            f"{path}: not a hybridflow checkpoint of format {FORMAT} ('format' is {got!r})",
         )
+    for key in meta:
+        if key not in _META:
+            raise ConfigError(
+                "resume_from", f"{path}: unknown key {key!r} (known: {', '.join(_META)})"
+            )
+    for key, (required, ok, what) in _META.items():
+        if key not in meta:
+            if required:
+                raise ConfigError("resume_from", f"{path}: key {key!r} is missing ({what})")
+        elif not ok(meta[key]):
+            shown = repr(meta[key])
+            shown = shown if len(shown) <= 80 else shown[:80] + "..."
+            raise ConfigError("resume_from", f"{path}: {key!r} must be {what}, got {shown}")
     return meta
 
 

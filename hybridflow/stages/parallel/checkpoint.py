@@ -16,18 +16,33 @@ resuming on the same number of ranks restores every tensor bit-exactly.
 
 Errors: DCP wraps what failed in a `CheckpointException`, which derives from
 BaseException (not Exception): it is translated here, in one place, into what the caller
-can name. A failed write is an `OSError` naming the directory (a full disk: ENOSPC).
+can name. A failed write is an `OSError` naming the directory (a full disk: ENOSPC); a
+file that cannot be trusted on load (truncated, a header that is no safetensors header,
+offsets that do not fit the tensor) is a one-line `ConfigError` naming the file and the
+tensor, found by `check_file` before DCP reads a byte.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from hybridflow.errors import ConfigError
+
+# safetensors dtype -> bytes per element (the dtypes a checkpoint of torch tensors holds)
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+_MAX_HEADER = 100 << 20  # bytes: safetensors' own limit for a header
 
 
 @contextlib.contextmanager
@@ -109,9 +124,11 @@ def load(
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     tensors, osd, tied = _tensors(model, optimizer)
-    reader = dcp.HuggingFaceStorageReader(str(directory))
-    with _quiet(alone):
-        dcp.load(tensors, storage_reader=reader, no_dist=alone)
+    check_dir(directory)
+    with _reading(directory), _quiet(alone):
+        dcp.load(
+            tensors, storage_reader=dcp.HuggingFaceStorageReader(str(directory)), no_dist=alone
+        )
     steps = extra.get("steps", {})
     state = {
         fqn: {**moments, "step": torch.tensor(float(steps.get(fqn, 0.0)))}
@@ -136,20 +153,21 @@ def read_full(directory: Path, prefix: str) -> dict[str, torch.Tensor]:
     the policy weights a rollout loads on resume; no process group needed."""
     import torch.distributed.checkpoint as dcp
 
-    reader = dcp.HuggingFaceStorageReader(str(directory))
-    meta = reader.read_metadata()
-    out = {
-        key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        for key, m in meta.state_dict_metadata.items()
-        if key.startswith(prefix)
-    }
-    with _quiet(True):
-        dcp.load(out, storage_reader=dcp.HuggingFaceStorageReader(str(directory)), no_dist=True)
+    check_dir(directory)
+    with _reading(directory):
+        meta = dcp.HuggingFaceStorageReader(str(directory)).read_metadata()
+        out = {
+            key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            for key, m in meta.state_dict_metadata.items()
+            if key.startswith(prefix)
+        }
+        with _quiet(True):
+            dcp.load(out, storage_reader=dcp.HuggingFaceStorageReader(str(directory)), no_dist=True)
     return {k[len(prefix) :]: v for k, v in out.items()}
 
 
 # ---------------------------------------------------------------------------------------
-# Errors
+# Errors, and the checks that run before a byte is trusted
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -166,3 +184,96 @@ def _write_error(exc: BaseException, directory: Path) -> Exception:
         # OSError(errno, ...) keeps the kind (ENOSPC, EACCES, ...) and names the path.
         return OSError(cause.errno, f"{cause.strerror} (writing weight shards)", str(directory))
     return OSError(f"writing weight shards to {directory}: {type(cause).__name__}: {cause}")
+
+
+@contextlib.contextmanager
+def _reading(directory: Path) -> Iterator[None]:
+    """DCP's read errors (a BaseException) as one line naming the directory."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        cause = _cause(exc)
+        text = str(cause).strip().splitlines()[-1:] or [""]
+        raise ConfigError(
+            "resume_from",
+            f"weight shards in {directory} cannot be loaded: {type(cause).__name__}: {text[0]}",
+        ) from exc
+
+
+def check_dir(directory: Path) -> None:
+    """Every safetensors file of a shard directory passes `check_file` (and there is one)."""
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if not files:
+        raise ConfigError("resume_from", f"{directory}: no weight shard files (*.safetensors)")
+    for path in files:
+        check_file(path)
+
+
+def check_file(path: Path) -> None:
+    """A safetensors file that can be trusted: its 8-byte header length, a JSON header of
+    tensors (dtype, shape, data_offsets) whose byte ranges fit their shapes, and a file
+    size that is exactly where the last range ends. Otherwise a ConfigError naming the
+    file and the key at fault.
+    Reads the header only (a truncated multi-GB shard is found in microseconds)."""
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError("resume_from", f"checkpoint file {path} {why}")
+
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad(f"is truncated: {size} bytes, less than its 8-byte header length")
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, _MAX_HEADER):
+                raise bad(f"is truncated or not safetensors: header of {n} bytes in {size}")
+            header = json.loads(f.read(n))
+    except ConfigError:  # one of ours (a ValueError too): as it is
+        raise
+    except OSError as exc:
+        raise bad(f"cannot be read: {exc}") from exc
+    except ValueError as exc:  # JSON or UTF-8
+        raise bad(f"has a header that is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise bad("has a header that is not a JSON object")
+    end = 0
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        end = max(end, _check_entry(key, info, bad))
+    if 8 + n + end > size:
+        last = max(
+            (k for k in header if k != "__metadata__"),
+            key=lambda k: header[k]["data_offsets"][1],
+        )
+        raise bad(
+            f"is truncated: {size} bytes, its header needs {8 + n + end} "
+            f"(tensor {last!r} ends past the end of the file)"
+        )
+    if 8 + n + end < size:
+        raise bad(f"has {size - 8 - n - end} bytes that no tensor of its header covers")
+
+
+def _check_entry(key: str, info: Any, bad: Any) -> int:
+    """One header entry -> the end of its bytes; raises `bad(...)` naming `key`."""
+    if not isinstance(info, dict):
+        raise bad(f"has tensor {key!r} without a description")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _DTYPE_BYTES:
+        raise bad(f"has tensor {key!r} of unknown dtype {dtype!r}")
+    ints = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+    pair = isinstance(offsets, list) and len(offsets) == 2
+    if not ints or not pair or not all(type(o) is int and o >= 0 for o in offsets):
+        raise bad(f"has tensor {key!r} with a bad shape {shape!r} or offsets {offsets!r}")
+    begin, end = offsets
+    want = _DTYPE_BYTES[dtype]
+    for d in shape:
+        want *= d
+    if end - begin != want:
+        raise bad(
+            f"has tensor {key!r} ({dtype} {shape}) of {want} bytes whose offsets span {end - begin}"
+        )
+    return end
