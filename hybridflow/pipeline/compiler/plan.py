@@ -191,22 +191,33 @@ def _check_backends(topo: Topology) -> dict[str, type]:
                     f"stages.{stage}.roles.{role}.backend",
                     f"unknown backend {rc.backend!r} for role kind {kind!r}; known: {', '.join(known)}",
                 )
+            # A stage on another host reads its model files there: its launcher's to check.
+            local = not any(cfg.host_of(r) for r in range(cfg.replicas))
             classes[role] = _check_role_options(
-                target, rc.options, f"stages.{stage}.roles.{role}.options"
+                target, rc.options, f"stages.{stage}.roles.{role}.options", local=local
             )
     _check_ops(topo, classes)
     return classes
 
 
-def _check_role_options(target: str, options: dict[str, Any], path: str) -> type:
+def _check_role_options(
+    target: str, options: dict[str, Any], path: str, *, local: bool = True
+) -> type:
     """Parse a role's `options:` with its backend's `options_cls` (when it declares one), so
     a typo fails at validate/plan time rather than during stage setup. Imports the backend
     module only (cheap: models and engines are built in `setup`, in the stage process).
-    Returns the backend class."""
+    For a stage on this host (`local`), also what the options can check against files
+    (`check_plan(path)`, e.g. the native rollout against its model's config) and the
+    callable they name. Returns the backend class."""
     cls: type = load_attr(target, path.rsplit(".", 1)[0] + ".backend")
     options_cls = getattr(cls, "options_cls", None)
     if options_cls is not None:
-        _check_named_callable(from_dict(options_cls, dict(options), path), path)
+        opts = from_dict(options_cls, dict(options), path)
+        if local:
+            check_plan = getattr(opts, "check_plan", None)
+            if callable(check_plan):
+                check_plan(path)
+            _check_named_callable(opts, path)
     return cls
 
 

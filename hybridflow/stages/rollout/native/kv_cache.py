@@ -32,6 +32,11 @@ def round_up(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
+def slot_bytes(layers: int, kv_heads: int, head_dim: int, max_len: int, itemsize: int) -> int:
+    """K and V of one sequence slot of `max_len` positions (rounded up to ALIGN)."""
+    return 2 * layers * kv_heads * round_up(max_len) * head_dim * itemsize
+
+
 class SlotCache:
     def __init__(
         self,
@@ -50,8 +55,7 @@ class SlotCache:
         self.max_len = round_up(max_len)
         self.shape = (layers, 2, 0, kv_heads, self.max_len, head_dim)
         self.dtype, self.device, self.stop_width = dtype, device, stop_width
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.slot_bytes = 2 * layers * kv_heads * self.max_len * head_dim * itemsize
+        self.slot_bytes = slot_bytes(layers, kv_heads, head_dim, max_len, dtype.itemsize)
         fit = int(budget_gb * GIB) // self.slot_bytes
         if fit < 1:
             key = f"{path}.kv_cache_gb" if path else "kv_cache_gb"

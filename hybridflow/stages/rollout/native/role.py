@@ -36,6 +36,7 @@ from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import build_model, options_path, require
 from hybridflow.stages.contract import RoleBase, Scope, op
+from hybridflow.stages.rollout.native import limits
 from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
 from hybridflow.stages.rollout.native.frontend import AsyncEngine
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
@@ -57,7 +58,8 @@ GIB = float(1 << 30)
 @dataclass
 class NativeRolloutOptions(HFRolloutOptions):
     # A KV slot holds max_prompt_len + max_new_tokens positions; longer prompts are refused.
-    max_prompt_len: int = 512
+    # None: min(512, the model's positions - max_new_tokens) (limits.py)
+    max_prompt_len: int | None = None
     kv_cache_gb: float = 4.0  # KV cache budget; slots = min(max_num_seqs, budget // slot)
     max_num_seqs: int = 256  # most sequences decoded together
     cuda_graphs: bool = True  # CUDA-graph decode steps (GPU only; CPU always runs eager)
@@ -75,8 +77,8 @@ class NativeRolloutOptions(HFRolloutOptions):
         def bad(key: str, msg: str) -> ConfigError:
             return ConfigError(f"{path}.{key}" if path else key, msg)
 
-        if self.max_prompt_len < 1:
-            raise bad("max_prompt_len", f"must be >= 1, got {self.max_prompt_len}")
+        if self.max_prompt_len is not None and self.max_prompt_len < 1:
+            raise bad("max_prompt_len", f"must be >= 1 (or unset), got {self.max_prompt_len}")
         if self.kv_cache_gb <= 0:
             raise bad("kv_cache_gb", f"must be > 0, got {self.kv_cache_gb}")
         if self.max_num_seqs < 1:
@@ -87,6 +89,11 @@ class NativeRolloutOptions(HFRolloutOptions):
             raise bad("decode_lengths", f"must all be >= 1, got {self.decode_lengths}")
         if self.max_prefill_tokens < 1:
             raise bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
+
+    def check_plan(self, path: str) -> None:
+        """At plan time (`hybridflow validate`): these options against the model's config,
+        read without building the model (limits.py)."""
+        limits.check(self, limits.model_facts(self, path), path)
 
 
 class NativeRollout(RolloutState, RoleBase):
@@ -123,14 +130,9 @@ class NativeRollout(RolloutState, RoleBase):
         self.vocab_size = int(model.config.vocab_size)
         if opts.stop_on_eos and not self.eos_ids:
             raise ConfigError(f"{path}.eos_token_id", "the model names no EOS token")
-        max_len = opts.max_prompt_len + opts.max_new_tokens
-        limit = getattr(model.config, "max_position_embeddings", None)
-        if limit is not None and max_len > limit:
-            raise ConfigError(
-                f"{path}.max_prompt_len",
-                f"max_prompt_len {opts.max_prompt_len} + max_new_tokens {opts.max_new_tokens} "
-                f"exceeds the model's {limit} positions",
-            )
+        # The plan's checks again, on the built model's config (a directory may have changed)
+        self.max_prompt_len = limits.check(opts, limits.ModelFacts.of(model.config), path)
+        max_len = self.max_prompt_len + opts.max_new_tokens
         config = EngineConfig(
             max_model_len=max_len,
             kv_cache_gb=opts.kv_cache_gb,
