@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -290,3 +291,41 @@ def test_the_cli_refuses_a_damaged_checkpoint_in_one_line_exit_2(tmp_path, save_
     assert lines[0].startswith(f"hybridflow: error: --resume: {named}") or (
         lines[0].startswith("hybridflow: error: --resume: checkpoint file ") and named in lines[0]
     ), lines[0]
+
+
+# -- in a stage process ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_resuming_from_a_truncated_file_fails_in_one_line(topo_dict, tmp_path):
+    """A stage handed the checkpoint directly (`resume_dir`, as the Python API and a
+    session do) checks each file it reads: the run ends with one line naming the stage
+    and the file, and no remote traceback."""
+    from pipeline_helpers import RecordingLauncher, leftovers
+
+    from hybridflow.errors import StageError
+    from hybridflow.pipeline.runtime.runner import run_topology
+
+    data = topo_dict(steps=2)
+    data["checkpoint"] = {"save_dir": str(tmp_path / "ck"), "save_interval": 1}
+    result = run_topology(load_topology(data))
+    first = Path(result.checkpoints[0])
+    blob = first / "stages" / "reward-0" / "rng.safetensors"
+    _truncate(blob)
+    launcher, run_id = RecordingLauncher(), uuid.uuid4().hex[:12]
+    with pytest.raises(StageError) as info:
+        run_topology(
+            load_topology(data),
+            start_step=1,
+            resume_dir=str(first),
+            launcher=launcher,
+            run_id=run_id,
+        )
+    err = info.value
+    text = str(err)
+    assert text.startswith(
+        "stage reward replica 0 failed during setup: ConfigError: resume_from: "
+        f"checkpoint file {blob} is truncated: "
+    ), text
+    assert "\n" not in text and not err.remote_traceback, text
+    assert not leftovers(run_id, launcher.started)
