@@ -22,13 +22,26 @@ RL, writes <out>/plot.png (validation accuracy and training reward per step) and
 <out>/summary.json, and exits 1 when RL raised held-out accuracy by less than
 `--goal-points` (10) points over the SFT model.
 
-    python examples/math_rl.py --quick          # CPU, 2 cores: under 10 minutes
+    python examples/math_rl.py --quick          # CPU, 2 cores (see the timings below)
     python examples/math_rl.py --device cuda:0 --model qwen2-0.5b --max-new-tokens 512
 
-`--quick` is sized so that a 1.4M-parameter model (`small`, narrowed) learns the easy problems
-(2 steps, numbers up to 9) to a held-out accuracy well short of 100% by SFT, leaving
-GRPO room to raise it. Without `--quick` the problems are harder (2-3 steps, numbers up
-to 20, results up to 60) and every phase is longer: a setting for a GPU.
+`--quick` is sized so that a 1.4M-parameter model (`small` narrowed to hidden 192, 3
+layers) learns the easy problems (2 steps, numbers up to 9, results up to 20) by SFT to
+a held-out accuracy well short of 100%, leaving GRPO room (16 prompts x 8 samples per
+step, lr 1e-4, 80 steps). Without `--quick` the problems are harder (2-3 steps, numbers
+up to 20, results up to 60) and every phase is longer: a setting for a GPU.
+
+Measured with --quick (256 held-out problems, greedy):
+  - seed 0 on the 2-core CPU machine, shared with other jobs (load 6-11): SFT 48.8% ->
+    67.2% after 80 steps (+18.4 points; 57.8% at step 10, 64.1% at 30, 69.1% at 50);
+    23.4 min wall under that load, 551 CPU-seconds over all processes.
+  - one core per run on a 16-core host (other library versions, so other initial
+    weights): sft 86 s, 60 RL steps with validation 160 s; the rise by step 50-60 over
+    seeds 0-6: +13.3, +11.7, +12.5, +7.8, +17.6, +8.2 (at step 40), +12.9 points. The
+    seeds that rose least started lowest (SFT 33% and 16%) and were still rising.
+  - what did not work: fewer SFT steps (150: a weaker start that GRPO hardly moved),
+    RL lr >= 2e-4 (accuracy fell, or rose less), 4 samples per prompt (a smaller rise),
+    harder problems (SFT 5-11%, +2-3 points in 40 steps).
 """
 
 from __future__ import annotations
