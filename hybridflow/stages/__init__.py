@@ -18,5 +18,6 @@ register("reward", "function", "hybridflow.stages.reward.function:FunctionReward
 register("reward", "model", "hybridflow.stages.reward.model:ModelReward")
 register("reward", "http", "hybridflow.stages.reward.service:HttpReward")
 register("reward", "zmq", "hybridflow.stages.reward.service:ZmqReward")
+register("reward", "env", "hybridflow.stages.reward.env:EnvReward")
 
 __all__ = ["BACKENDS", "Role", "StageContext", "create_role", "register"]

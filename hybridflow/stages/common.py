@@ -5,10 +5,18 @@ Every model-backed role sees sequences in one layout (the rollout's output):
     prompt_ids     [B, P] int   left-padded        prompt_mask   [B, P] 0/1
     response_ids   [B, R] int   right-padded       response_mask [B, R] 0/1
 
-The forward runs on `[prompt | response]` (length P + R) with the concatenated mask and
-position ids `cumsum(mask) - 1`, so padding on either side changes no real token's
+The forward runs on `[prompt | response]` (length P + R) with the concatenated attention
+mask and position ids `cumsum(mask) - 1`, so padding on either side changes no real token's
 output. Response token t is predicted at position P - 1 + t; every per-token output
-(log-probs, entropy, values) is taken there and laid out [B, R], 0 at padding.
+(log-probs, entropy, values) is taken there and laid out [B, R], 0 where response_mask is 0.
+
+The response's attention mask is its *span*: 1 up to the row's last response_mask 1,
+not response_mask itself. A multi-turn response (stages/rollout/multiturn.py) has
+interior zeros on observation tokens: they are context the model read while generating
+the next turn (the sampler attended to them at their positions), but not its actions.
+Attending to them keeps every model token's log-prob the rollout's; the zeros still
+keep them out of every loss. For a single-turn response (ones, then padding) the span
+is response_mask exactly.
 
 Invariants: inputs are validated before any model call (a malformed batch is a
 BatchError naming role, op and field); outputs leave on CPU as float32.
@@ -101,10 +109,19 @@ def check_left_padded(mask: torch.Tensor, where: str) -> None:
         )
 
 
+def response_span(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] 0/1 -> [B, R] int64: 1 at every position up to each row's last 1 (the
+    response's real tokens, observations included), 0 in the right padding after it."""
+    m = response_mask.to(torch.int64)
+    return m.flip(-1).cummax(-1).values.flip(-1)
+
+
 def sequence_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """-> input_ids [B, P+R], attention_mask [B, P+R], position_ids [B, P+R]."""
+    """-> input_ids [B, P+R], attention_mask [B, P+R], position_ids [B, P+R] (the
+    response's attention is its span: module docstring)."""
     ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1).to(device, torch.int64)
-    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).to(device, torch.int64)
+    span = response_span(batch["response_mask"])
+    mask = torch.cat([batch["prompt_mask"].to(torch.int64), span], dim=1).to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids, mask, pos
 

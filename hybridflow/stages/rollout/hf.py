@@ -19,6 +19,14 @@ Same contract as the `vllm` backend (rollout_vllm.py), so the two are interchang
 
 In-process hand-off from a colocated actor: `update_weights(iterable of (name, tensor), version)`.
 
+Multi-turn (options `env`, ...; state.py): `generate` runs the trajectory loop
+(multiturn.py) with this backend's sampler as its turn engine (`_HFTurns`: each turn
+re-prefills every live trajectory's whole context, left-padded, with a per-row token
+limit). It needs `metadata_json` among its inputs (each row's record, for the
+environment's reset) and returns the same fields, laid out by stages/env/layout.collate
+(response_mask 0 on observation tokens), plus `env_reward` [B] float32 and `num_turns`
+[B] int64. Turn k samples from a generator seeded from (the call's seed, k).
+
 Sampling log-probs (`rollout_logprobs`): the log-probability of each sampled token under the
 distribution it was actually drawn from: softmax(logits / temperature), restricted to the
 top-k tokens and then to the top-p nucleus (smallest prefix of the sorted distribution
@@ -41,37 +49,49 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from hybridflow.config.loader import from_dict
+from hybridflow.data.batching import decode_metadata, pad_left, unpad
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
     build_model,
+    mix_seed,
     options_path,
     require,
     row_chunks,
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
+from hybridflow.stages.rollout.multiturn import (
+    MultiTurnConfig,
+    TrajectoryLoop,
+    TurnOutput,
+    TurnRequest,
+)
 from hybridflow.stages.rollout.state import (
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
     GENERATE_PARAMS,
     LOAD_WEIGHTS_PARAMS,
+    MULTI_TURN_OUTPUTS,
     HFRolloutOptions,
     RolloutState,
     check_prompts,
     eos_ids,
 )
+from hybridflow.transport import aio
 
 
 class HFRollout(RolloutState, RoleBase):
     """Registered as ("rollout", "hf")."""
 
     backend_name = "hf"
+    runs_environments = True
 
     options_cls = HFRolloutOptions  # checked at plan time too (pipeline/compiler/plan.py)
 
@@ -86,6 +106,7 @@ class HFRollout(RolloutState, RoleBase):
         self._update_bytes = 0
         self._update_tensors = 0
         self._update_t0 = 0.0
+        self.loop: TrajectoryLoop | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def setup(self, ctx: StageContext) -> None:
@@ -110,10 +131,40 @@ class HFRollout(RolloutState, RoleBase):
         # transformers 5.2x renamed `past_key_values` (forward argument and output) to `cache`.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
+        self.loop = self._trajectory_loop(ctx, opts)
+
+    def _trajectory_loop(self, ctx: StageContext, opts: HFRolloutOptions) -> TrajectoryLoop | None:
+        """The multi-turn loop (None without `env`), after checking that the dataflow feeds
+        it each row's record and asks only for outputs this rollout makes."""
+        path = options_path(ctx)
+        generate = (ctx.world.get("dataflow") or {}).get("generate") or {}
+        if not opts.env:
+            wanted = [o for o in MULTI_TURN_OUTPUTS if o in generate.get("outputs", ())]
+            if wanted:
+                raise ConfigError(
+                    f"{path}.env",
+                    f"the dataflow asks generate for {wanted}, which only a multi-turn "
+                    "rollout makes: set env (an environment) or drop them",
+                )
+            return None
+        if generate and "metadata_json" not in generate.get("inputs", ()):
+            raise ConfigError(
+                f"{path}.env",
+                "a multi-turn rollout resets each environment with its row's record: add "
+                "metadata_json to the inputs of the rollout's generate op",
+            )
+        return TrajectoryLoop(
+            MultiTurnConfig.of(opts),
+            self.tokenizer,
+            self.eos_ids,
+            position_limit=getattr(self.model.config, "max_position_embeddings", None),
+            path=path,
+        )
 
     def close(self) -> None:
         self.model = None
         self._params = {}
+        self.loop = None
 
     # -- ops -----------------------------------------------------------------------------
     @op(name="load_weights", scope=Scope.STEP, params=LOAD_WEIGHTS_PARAMS)
@@ -146,10 +197,12 @@ class HFRollout(RolloutState, RoleBase):
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
         self._check_prompts(prompt_ids, prompt_mask, opts, where)
         seed = self._call_seed(params)
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-
         ids = prompt_ids.repeat_interleave(opts.n, dim=0)  # [B*n, P]
         mask = prompt_mask.to(torch.int64).repeat_interleave(opts.n, dim=0)
+        group_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(opts.n)  # [B*n]
+        if self.loop is not None:
+            return self._generate_trajectories(batch, ids, mask, group_index, opts, seed)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         t0 = time.perf_counter()
         parts = [
             self._sample(
@@ -170,9 +223,49 @@ class HFRollout(RolloutState, RoleBase):
             "response_ids": response_ids,
             "response_mask": response_mask,
             "rollout_logprobs": logprobs,
-            "group_index": torch.arange(prompt_ids.shape[0]).repeat_interleave(opts.n),
+            "group_index": group_index,
         }
         return out, self._generate_metrics(gen_s, tokens, ids.shape[0])
+
+    def _generate_trajectories(
+        self,
+        batch: Batch,
+        ids: torch.Tensor,  # [N, P] the prompts, repeated n times
+        mask: torch.Tensor,  # [N, P]
+        group_index: torch.Tensor,  # [N]
+        opts: HFRolloutOptions,
+        seed: int,
+    ) -> tuple[Batch, Metrics]:
+        """`generate` with an environment: one trajectory per row (multiturn.py)."""
+        assert self.loop is not None
+        where = "hf rollout generate"
+        if "metadata_json" not in batch:
+            raise BatchError(
+                f"{where}: a multi-turn rollout needs metadata_json (each row's record); "
+                f"the batch has {sorted(batch)}"
+            )
+        try:
+            records = decode_metadata(batch["metadata_json"])
+        except ValueError as exc:
+            raise BatchError(f"{where}: {exc}") from exc
+        if len(records) != batch["prompt_ids"].shape[0]:
+            raise BatchError(
+                f"{where}: metadata_json has {len(records)} rows for "
+                f"{batch['prompt_ids'].shape[0]} prompts"
+            )
+        records = [rec for rec in records for _ in range(opts.n)]  # row i*n+j: prompt i
+        engine = _HFTurns(self, opts, seed)
+        t0 = time.perf_counter()
+        result = aio.run(self.loop.run(engine, unpad(ids, mask), records, opts.max_new_tokens))
+        wall_s = time.perf_counter() - t0
+        out = result.tensors(self.pad_id)
+        out.setdefault("prompt_ids", ids)
+        out.setdefault("prompt_mask", mask)
+        out["group_index"] = group_index
+        tokens = int(out["response_mask"].sum())  # model tokens (observations excluded)
+        metrics = self._generate_metrics(engine.gen_s, tokens, ids.shape[0])
+        metrics["rollout/loop_s"] = wall_s
+        return out, {**metrics, **result.metrics}
 
     def _check_prompts(
         self, ids: torch.Tensor, mask: torch.Tensor, opts: HFRolloutOptions, where: str
@@ -192,6 +285,7 @@ class HFRollout(RolloutState, RoleBase):
         mask: torch.Tensor,  # [N, P]
         opts: HFRolloutOptions,
         gen: torch.Generator,
+        limits: torch.Tensor | None = None,  # [N] tokens each row may take (<= max_new_tokens)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> tokens [N, T] (pad after the end), logprobs [N, T], lengths [N] (all CPU)."""
         n = ids.shape[0]
@@ -213,6 +307,8 @@ class HFRollout(RolloutState, RoleBase):
             lengths += (~finished).to(torch.int64)
             if opts.stop_on_eos:
                 finished |= torch.isin(tok, eos)
+            if limits is not None:
+                finished |= lengths >= limits
             if t == opts.max_new_tokens - 1 or bool(finished.all()):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -328,3 +424,42 @@ def _pad_to(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
         return t
     pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)
     return torch.cat([t, pad], dim=1)
+
+
+class _HFTurns:
+    """The hf sampler as the trajectory loop's turn engine (multiturn.TurnEngine): each
+    turn's contexts are left-padded and sampled together, whole (no KV is kept between
+    turns: `appended` is not used), each row up to its own token limit."""
+
+    def __init__(self, rollout: HFRollout, opts: HFRolloutOptions, seed: int) -> None:
+        self.rollout, self.opts, self.seed = rollout, opts, seed
+        self.gen_s = 0.0
+
+    async def generate(self, requests: Sequence[TurnRequest], turn: int) -> list[TurnOutput]:
+        r = self.rollout
+        # One generator per turn, seeded from (the call's seed: seed, step, mb_id; turn).
+        gen = torch.Generator(device=r.device).manual_seed(mix_seed(self.seed, "turn", turn))
+        ids, mask = pad_left([q.context_ids for q in requests], r.pad_id)  # [N, C]
+        limits = torch.tensor([q.max_new_tokens for q in requests], dtype=torch.int64)  # [N]
+        opts = replace(self.opts, max_new_tokens=int(limits.max()))
+        stop = set(r.eos_ids) if opts.stop_on_eos else set()
+        t0 = time.perf_counter()
+        out: list[TurnOutput] = []
+        for rows in row_chunks(ids.shape[0], opts.max_batch_size):
+            tokens, logprobs, lengths = r._sample(
+                ids[rows].to(r.device),
+                mask[rows].to(r.device),
+                opts,
+                gen,
+                limits[rows].to(r.device),
+            )
+            for b in range(tokens.shape[0]):
+                k = int(lengths[b])
+                row_ids = tokens[b, :k].tolist()
+                out.append(
+                    TurnOutput(
+                        row_ids, logprobs[b, :k].tolist(), bool(row_ids) and row_ids[-1] in stop
+                    )
+                )
+        self.gen_s += time.perf_counter() - t0
+        return out

@@ -3,13 +3,26 @@ accepts, per-call sampling overrides, the generate metrics and the checkpoint st
 
 Every backend's options dataclass extends `HFRolloutOptions` (the name stays for configs
 and code that import it); every backend class mixes in `RolloutState`.
+
+Multi-turn options (the trajectory loop, multiturn.py; ignored while `env` is ""):
+
+    env: guess_number            # or package.module:Class; "" = single turn (unchanged)
+    env_options: {max_turns: 7}  # keyword arguments of the environment's class
+    max_turns: 8                 # model turns per trajectory at most
+    max_total_tokens: 0          # prompt + every turn + observations; 0: the model's positions
+    env_timeout_s: 60            # bound of one reset / step / close call
+    env_concurrency: 32          # environment calls in flight at once (per generate call)
+    tool_parser: ""              # passed to the environment as its `parser` option; "": its own
+
+A backend runs environments only when its class says so (`runs_environments`); the
+others refuse a generate call with `env` set instead of silently running one turn.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import torch
 
@@ -17,6 +30,8 @@ from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.loader import ModelOptions
 from hybridflow.stages.base import Metrics, Params
 from hybridflow.stages.common import check_ids_mask, check_left_padded, mix_seed
+from hybridflow.stages.env.parsers import get_parser
+from hybridflow.stages.env.registry import EnvConfig
 
 
 @dataclass
@@ -31,12 +46,22 @@ class HFRolloutOptions(ModelOptions):
     pad_token_id: int | None = None  # None: the tokenizer's pad id
     seed: int | None = None  # None: the run seed
     max_batch_size: int = 0  # rows generated together (0: the whole micro-batch)
+    # multi-turn (module docstring); every one is ignored while `env` is ""
+    env: str = ""
+    env_options: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 8
+    max_total_tokens: int = 0
+    env_timeout_s: float = 60.0
+    env_concurrency: int = 32
+    tool_parser: str = ""
 
     def validate(self, path: str) -> None:
         ModelOptions.validate(self, path)
 
         def bad(key: str, msg: str) -> ConfigError:
             return ConfigError(f"{path}.{key}" if path else key, msg)
+
+        self._validate_env(path, bad)
 
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
@@ -51,6 +76,26 @@ class HFRolloutOptions(ModelOptions):
         if self.temperature == 0 and self.n > 1:
             raise bad("n", f"greedy decoding (temperature 0) gives {self.n} identical samples")
 
+    def _validate_env(self, path: str, bad: Any) -> None:
+        """The multi-turn keys: syntax and names only (the environment's class is not
+        imported here, at plan time; the stage's setup loads it)."""
+        EnvConfig(self.env, self.env_options).validate(path)
+        if self.max_turns < 1:
+            raise bad("max_turns", f"must be >= 1, got {self.max_turns}")
+        if self.max_total_tokens < 0:
+            raise bad("max_total_tokens", "must be >= 0 (0: the model's positions)")
+        if not 0 < self.env_timeout_s < float("inf"):
+            raise bad("env_timeout_s", f"must be > 0 seconds, got {self.env_timeout_s}")
+        if self.env_concurrency < 1:
+            raise bad("env_concurrency", f"must be >= 1, got {self.env_concurrency}")
+        if self.tool_parser:
+            get_parser(self.tool_parser, f"{path}.tool_parser" if path else "tool_parser")
+            if "parser" in self.env_options:
+                raise bad(
+                    "tool_parser",
+                    "is set and env_options.parser too: name the parser once",
+                )
+
 
 _SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "n")
 
@@ -62,6 +107,8 @@ class RolloutState:
     first rollout, so they are not part of it."""
 
     backend_name: str
+    # Whether `generate` runs the trajectory loop when `env` is set (multiturn.py).
+    runs_environments: ClassVar[bool] = False
     opts: Any  # the backend's options (an HFRolloutOptions or subclass), set in setup
     seed: int  # the run's (or options.seed), set in setup
     calls: int
@@ -77,6 +124,11 @@ class RolloutState:
     def _call_options(self, params: Params) -> Any:
         """The options of one generate call: the backend's, with sampling overrides."""
         assert self.opts is not None
+        if self.opts.env and not self.runs_environments:
+            raise BatchError(
+                f"{self.backend_name} rollout: env {self.opts.env!r} is set, but this backend "
+                "does not run environments yet; use backend: hf for multi-turn rollouts"
+            )
         given = {k: params[k] for k in _SAMPLING_OVERRIDES if params.get(k) is not None}
         merged = replace(self.opts, **given)
         try:
@@ -120,7 +172,11 @@ GENERATE_OUTPUTS = (
     "response_mask",
     "rollout_logprobs",
     "group_index",
+    # multi-turn only (a backend running an `env`, see multiturn.py):
+    "env_reward",  # [B] float32, the sum of the environment's step rewards
+    "num_turns",  # [B] int64, model turns of each trajectory
 )
+MULTI_TURN_OUTPUTS = ("env_reward", "num_turns")
 # The dataflow `params:` each rollout op reads (a per-call override of the sampling
 # options, a fixed seed; a weight bucket's `last`/`version`); other keys are typos.
 GENERATE_PARAMS = (*_SAMPLING_OVERRIDES, "seed")
