@@ -6,6 +6,14 @@ Consumes records from `sources.load_records` and a tokenizer; produces `PromptIt
 the record plus `index`, its row in the dataset), and `PromptStream`, which yields
 lists of items epoch after epoch in a seeded order.
 
+Tools (`tools:`, for multi-turn rollouts whose environment runs tools): each entry names
+a "package.module:attr" whose tool schemas are passed to the chat template as `tools=`,
+so the model sees what it may call. The attr is an environment class (built with no
+arguments) or object with `tools_schema()`, e.g.
+`hybridflow.stages.env.builtin.calculator:CalculatorEnv` (the same schemas its
+observations are templated with), or a list of OpenAI function schemas. Without
+`tools` (the default) the template is called exactly as before, without `tools=`.
+
 Invariants:
   - a prompt longer than `max_prompt_length` tokens is an error naming its row, unless
     `truncation` says which side to cut (never a silent cut);
@@ -15,10 +23,15 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+import inspect
+import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hybridflow.config.imports import load_attr, split_spec
 from hybridflow.data.sources import Record, load_records
 from hybridflow.errors import ConfigError
 
@@ -35,6 +48,8 @@ class DataOptions:
     task_size: int = 1024  # prompts generated for task:NAME sources
     shuffle: bool = True
     limit: int = 0  # only the first N records of the source (in its order); 0: all
+    # "package.module:attr" entries whose tool schemas the chat template shows (see above)
+    tools: list[str] = field(default_factory=list)
 
     def validate(self, path: str) -> None:
         if not self.source:
@@ -43,6 +58,55 @@ class DataOptions:
             raise ConfigError(f"{path}.max_prompt_length", "must be >= 1")
         if self.limit < 0:
             raise ConfigError(f"{path}.limit", f"must be >= 0 (0: every record), got {self.limit}")
+        for i, spec in enumerate(self.tools):
+            split_spec(spec, f"{path}.tools[{i}]", form=_TOOLS_FORM)
+
+
+_TOOLS_FORM = "package.module:attr"
+
+
+def tool_schemas(specs: list[str] | tuple[str, ...], path: str = "data") -> list[dict[str, Any]]:
+    """The tool schemas the `tools` entries name (module docstring), in order; ConfigError
+    at `<path>.tools[i]` for an entry that names none. Resolved once per distinct list."""
+    return json.loads(_tool_schemas(tuple(specs), path))  # a fresh copy for each caller
+
+
+@functools.lru_cache(maxsize=8)
+def _tool_schemas(specs: tuple[str, ...], path: str) -> str:
+    schemas: list[dict[str, Any]] = []
+    for i, spec in enumerate(specs):
+        where = f"{path}.tools[{i}]"
+        obj = load_attr(spec, where, form=_TOOLS_FORM)
+        if callable(getattr(obj, "tools_schema", None)):
+            try:
+                owner = obj() if inspect.isclass(obj) else obj
+                found = owner.tools_schema()
+            except Exception as exc:  # its constructor or tools_schema: a config problem
+                raise ConfigError(
+                    where,
+                    f"{spec}: asking it for tools_schema() raised {type(exc).__name__}: {exc}",
+                ) from exc
+        elif isinstance(obj, list | tuple):
+            found = obj
+        else:
+            raise ConfigError(
+                where,
+                f"{spec} is a {type(obj).__name__}: name an environment class or object with "
+                "tools_schema() (e.g. hybridflow.stages.env.builtin.calculator:CalculatorEnv) "
+                "or a list of OpenAI function schemas",
+            )
+        for j, schema in enumerate(found):
+            if not isinstance(schema, Mapping) or not isinstance(schema.get("function"), Mapping):
+                raise ConfigError(
+                    where,
+                    f"{spec}: schema {j} is not an OpenAI function schema {{'function': ...}}",
+                )
+            schemas.append(dict(schema))
+    names = [s["function"].get("name") for s in schemas]
+    dup = sorted({str(n) for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"{path}.tools", f"two tools share the name(s) {dup}")
+    return json.dumps(schemas)
 
 
 @dataclass
@@ -112,9 +176,17 @@ def make_item(
             where, "the prompt must be a string or a list of {role, content} messages"
         )
     if use_template:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # `tools=` only when some are named: the default call stays exactly what it was
+        extra = {"tools": tool_schemas(opts.tools, path)} if opts.tools else {}
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **extra
+        )
         # The template writes BOS itself; adding special tokens again would double it.
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    elif opts.tools:
+        raise ConfigError(
+            f"{path}.tools", "tools are shown through the chat template: this tokenizer has none"
+        )
     elif isinstance(prompt, str):
         text = prompt
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
