@@ -18,8 +18,8 @@ def _bench(capsys, *argv: str) -> dict:
 
 def test_bench_reshard_quick(capsys):
     out = _bench(capsys, "reshard", "--quick")
-    (tiny,) = out["sizes"]
-    assert tiny["preset"] == "tiny" and tiny["mode"] == "roles"
+    tiny, shapes = out["sizes"]  # quick runs both modes of the full bench, at small sizes
+    assert tiny["preset"] == "tiny" and tiny["mode"] == "roles" and shapes["mode"] == "shapes"
     assert tiny["bytes"] == 4 * tiny["params"] == tiny["bytes_moved"]  # fp32, one receiver
     for key in ("copy", "colocated", "disaggregated"):
         assert tiny[f"{key}_s"] > 0 and tiny[f"{key}_gbps"] > 0
