@@ -114,6 +114,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch", type=int, default=256, help="most items per request")
     s.add_argument("--concurrency", type=int, default=8, help="requests scored at once")
+    s.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=None,
+        help="seconds a client has to send a request body (default 30, or "
+        "$HYBRIDFLOW_REWARD_BODY_TIMEOUT_S)",
+    )
 
     st = sub.add_parser(
         "status",
