@@ -595,8 +595,12 @@ class Coordinator:
             peer.given(-1 - control_id, ("checkpoint_save", step, -1))
             await self.chan.send(msg, to=ident)
         timeout = self.topo.liveness.control_timeout_s
+        answers = asyncio.gather(*waits)
+        # A run that fails meanwhile cancels this task; whatever the gather then holds is
+        # read here, so asyncio does not log "exception was never retrieved" at teardown.
+        answers.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            await asyncio.wait_for(asyncio.gather(*waits), timeout)
+            await asyncio.wait_for(answers, timeout)
         except TimeoutError:
             late = [p.info.name for p in self.peers.values() if any(k < 0 for k in p.inflight)]
             raise PipelineError(
