@@ -143,3 +143,24 @@ class BadTokensEnv(CountdownEnv):
 
     async def step(self, action: Action) -> StepResult:
         return StepResult(Observation.from_tokens([10**6]), 0.0, False, {})
+
+
+class DigitsEnv:
+    """Two turns; each step's reward is the number of digits in that turn's text (so the
+    rewards vary between samples and sum over the turns). Importable by stage processes
+    as `tests.rollout_multiturn.mt_helpers:DigitsEnv` (the launcher puts the repo root on
+    their path)."""
+
+    def __init__(self, turns: int = 2) -> None:
+        self.turns, self.taken = turns, 0
+
+    def reset(self, record: dict[str, Any]) -> Observation:
+        return Observation.empty()
+
+    def step(self, action: Action) -> StepResult:
+        self.taken += 1
+        reward = float(sum(c.isdigit() for c in action.text))
+        if self.taken >= self.turns:
+            return StepResult(Observation.empty(), reward, True, {})
+        obs = Observation.from_messages([{"role": "user", "content": "More digits."}])
+        return StepResult(obs, reward, False, {})

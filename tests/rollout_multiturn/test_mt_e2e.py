@@ -178,6 +178,36 @@ def test_multi_turn_grpo_runs_masks_observations_and_repeats_exactly(tmp_path):
         assert same == {k: b[k] for k in same}
 
 
+def test_the_environment_reward_reaches_the_policy_gradient(tmp_path):
+    """Rewards that vary (digits per turn, summed over two turns): GRPO advantages are
+    nonzero on model tokens, zero on observations, and the actor's gradient moves."""
+    cfg = config(
+        tmp_path,
+        "d",
+        env="tests.rollout_multiturn.mt_helpers:DigitsEnv",
+        env_options={},
+        max_new_tokens=6,
+        max_turns=2,
+    )
+    cfg["run"]["steps"] = 1
+    res = run_topology(load_topology(cfg), collect=COLLECT)
+    got = res.collected[0]
+    rewards = torch.cat(got["rewards"])
+    assert torch.equal(rewards, torch.cat(got["env_reward"]))
+    assert bool((torch.cat(got["num_turns"]) == 2).all())
+    assert float(rewards.std()) > 0, rewards
+    nonzero = False
+    for mb in range(2):  # one prompt group per micro-batch: a group may agree (adv 0)
+        mask, adv = got["response_mask"][mb], got["advantages"][mb]
+        observed = response_span(mask).bool() & ~mask.bool()
+        assert bool(observed.any()) and bool((adv[observed] == 0).all())
+        nonzero |= bool((adv[mask.bool()] != 0).any())
+    assert nonzero
+    assert res.metrics[0]["reward/mean"] == pytest.approx(float(rewards.mean()), rel=1e-5)
+    # equal-length responses make the on-policy GRPO loss 0 itself; its gradient is not
+    assert res.metrics[0]["actor/grad_norm"] > 0
+
+
 def test_plan_time_checks_name_the_key(tmp_path):
     cfg = config(tmp_path, "c", env="guess_numbr")
     with pytest.raises(
