@@ -143,7 +143,7 @@ COMMANDS = {
     "run": "hybridflow.pipeline.runtime.runner:cli_run",
     "validate": "hybridflow.pipeline.runtime.runner:cli_validate",
     "eval": "hybridflow.pipeline.runtime.evaluate:cli_eval",
-    "status": "hybridflow.pipeline.runtime.status:cli_status",
+    "status": "hybridflow.pipeline.runtime.watch.status:cli_status",
     "reward-serve": "hybridflow.reward.server:cli_serve",
     "demo": "hybridflow.demo:cli_demo",
 }

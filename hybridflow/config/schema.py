@@ -240,7 +240,7 @@ class OpConfig:
     `phase` names the op in `timing/<phase>` metrics and groups ops for sequential mode.
     `timeout_s` bounds one task of this op: a task not answered within it ends the run with
     an error naming stage, op, step and this key. Unset, the op's default applies (the
-    table in pipeline/runtime/deadlines.py and the README: a reward `score` 10 min,
+    table in pipeline/runtime/watch/deadlines.py and the README: a reward `score` 10 min,
     `generate` 30 min, ...; `liveness.task_timeout_s` for ops the table does not know).
     """
 
@@ -251,7 +251,7 @@ class OpConfig:
     scope: Literal["micro_batch", "step"] = "micro_batch"
     phase: str = ""  # default: the op's name
     params: dict[str, Any] = field(default_factory=dict)  # scalars, passed in Task.params
-    timeout_s: float | None = None  # None: the op's default (pipeline/runtime/deadlines.py)
+    timeout_s: float | None = None  # None: the op's default (pipeline/runtime/watch/deadlines.py)
 
     @property
     def phase_name(self) -> str:
@@ -305,7 +305,7 @@ class LivenessConfig:
     # The catch-all bound of one task of a stage (or a driver op), counted from when the
     # stage reports it started (its heartbeats list the tasks running), or from when the
     # coordinator started a driver op: for ops without a default of their own in
-    # pipeline/runtime/deadlines.py (a reward score 10 min, generate 30 min, ...), and a
+    # pipeline/runtime/watch/deadlines.py (a reward score 10 min, generate 30 min, ...), and a
     # ceiling on those defaults. `timeout_s` on a dataflow op overrides both.
     task_timeout_s: float = 3600.0
     # While anything is awaited longer than this (a task, a checkpoint save, a driver op,

@@ -1,4 +1,4 @@
-"""One run per directory (pipeline/runtime/rundir_lock.py): a second run on a run_dir or a
+"""One run per directory (pipeline/runtime/watch/rundir_lock.py): a second run on a run_dir or a
 checkpoint.save_dir that a live run holds fails at once, naming the holder's pid and the
 directory (exit 2 from the CLI), and starts no process; a lock whose holder was killed
 is taken over. Before the lock, two runs on one run_dir both started, the second's
@@ -21,20 +21,20 @@ from pipeline_helpers import RecordingLauncher, interruptible
 from hybridflow import cli
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.runtime.rundir_lock import (
+from hybridflow.pipeline.runtime.runner import run_topology
+from hybridflow.pipeline.runtime.watch.rundir_lock import (
     LOCK_FILE,
     DirLock,
     held_here,
     lock_dirs,
     read_holder,
 )
-from hybridflow.pipeline.runtime.runner import run_topology
 
 REPO = Path(__file__).resolve().parents[2]
 
 HOLD = """
 import sys, time
-from hybridflow.pipeline.runtime.rundir_lock import DirLock
+from hybridflow.pipeline.runtime.watch.rundir_lock import DirLock
 lock = DirLock(sys.argv[1], "run_dir", "test holder")
 lock.acquire()
 print("locked", flush=True)

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from hybridflow import cli
-from hybridflow.pipeline.runtime.status import describe
+from hybridflow.pipeline.runtime.watch.status import describe
 
 REPO = Path(__file__).resolve().parents[2]
 AWAITED = "on stage reward replica 0 (pid "

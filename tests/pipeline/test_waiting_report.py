@@ -1,5 +1,5 @@
 """Who waits on whom, and for how long it may: the per-op default deadlines (one table,
-pipeline/runtime/deadlines.py, the README's) and the waiting lines the coordinator logs
+pipeline/runtime/watch/deadlines.py, the README's) and the waiting lines the coordinator logs
 while anything is awaited longer than `liveness.report_interval_s`.
 
 The process test is the issue's case: a deadlocked reward function with no `timeout_s`
@@ -23,11 +23,15 @@ from pipeline_helpers import RecordingLauncher, leftovers
 from hybridflow.config.schema import LivenessConfig, OpConfig, load_topology
 from hybridflow.errors import StageError
 from hybridflow.pipeline.compiler.plan import ProcessInfo
-from hybridflow.pipeline.runtime import deadlines, waiting
-from hybridflow.pipeline.runtime.deadlines import DEFAULT_TIMEOUT_S, DRIVER_TIMEOUT_S, op_bound
 from hybridflow.pipeline.runtime.peers import StagePeer
 from hybridflow.pipeline.runtime.runner import run_topology
-from hybridflow.pipeline.runtime.status import STATUS_FILE
+from hybridflow.pipeline.runtime.watch import deadlines, waiting
+from hybridflow.pipeline.runtime.watch.deadlines import (
+    DEFAULT_TIMEOUT_S,
+    DRIVER_TIMEOUT_S,
+    op_bound,
+)
+from hybridflow.pipeline.runtime.watch.status import STATUS_FILE
 from hybridflow.transport.protocol import Heartbeat, StageState
 
 REPO = Path(__file__).resolve().parents[2]

@@ -75,7 +75,7 @@ from hybridflow.pipeline.checkpoint import store as ckpt
 from hybridflow.pipeline.compiler.frontend import CompiledStep
 from hybridflow.pipeline.compiler.ir import StepOutput
 from hybridflow.pipeline.compiler.plan import Plan, build_plan
-from hybridflow.pipeline.runtime.rundir_lock import DirLock, release_all, take_locks
+from hybridflow.pipeline.runtime.watch.rundir_lock import DirLock, release_all, take_locks
 from hybridflow.pipeline.sources.datasets import (
     dataset_source,
     restore_stream_state,
@@ -135,7 +135,7 @@ class Engine:
         self._cache: _Declared | None = None
         self._last_validation: dict[str, Any] | None = None  # train(validation=)'s
         # log_dir and the checkpoint directory, held while the processes are up: one run
-        # per directory (pipeline/runtime/rundir_lock.py).
+        # per directory (pipeline/runtime/watch/rundir_lock.py).
         self._locks: list[DirLock] = []
 
     # -- life time ------------------------------------------------------------------------

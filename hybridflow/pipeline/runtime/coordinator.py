@@ -21,14 +21,14 @@ Which loop waits for what, and who unblocks it:
                    heartbeat ages (> liveness.heartbeat_timeout_s -> StageDeadError);
                    before all stages are ready, liveness.startup_timeout_s bounds setup;
                    task deadlines: a task running (as the stage's heartbeats report it)
-                   longer than its op's bound (pipeline/runtime/deadlines.py), or
+                   longer than its op's bound (pipeline/runtime/watch/deadlines.py), or
                    listed by no heartbeat within liveness.heartbeat_timeout_s of its
                    sending (lost), and a driver op running longer than its bound ->
                    StageError (rules and messages: pipeline/runtime/peers.py).
                    Every heartbeat interval: who waits on whom (pipeline/runtime/
                    waiting.py): a warning line per wait longer than
                    liveness.report_interval_s, once per interval, and status.json in
-                   the run_dir this process holds the lock of (runtime/status.py).
+                   the run_dir this process holds the lock of (runtime/watch/status.py).
     undecodable    a message from a known stage that cannot be decoded while that stage
                    has tasks in flight (the channel's `on_bad_message`) -> StageError:
                    what it carried is lost, and waiting for it would hang.
@@ -75,14 +75,14 @@ from hybridflow.pipeline.checkpoint.store import Checkpointer, load_drivers, sav
 from hybridflow.pipeline.compiler.plan import Plan, ProcessInfo
 from hybridflow.pipeline.driver.registry import resolve_driver_op
 from hybridflow.pipeline.observe.metrics import MetricsSink
-from hybridflow.pipeline.runtime import waiting
-from hybridflow.pipeline.runtime.deadlines import Bound, op_bound
 from hybridflow.pipeline.runtime.launcher import Launcher
 from hybridflow.pipeline.runtime.peers import StagePeer, check_deadlines, check_liveness
-from hybridflow.pipeline.runtime.rundir_lock import held_here
 from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Dispatch, Event, Scheduler
-from hybridflow.pipeline.runtime.status import STATUS_FILE, StatusBoard
-from hybridflow.pipeline.runtime.waiting import Reporter, Wait
+from hybridflow.pipeline.runtime.watch import waiting
+from hybridflow.pipeline.runtime.watch.deadlines import Bound, op_bound
+from hybridflow.pipeline.runtime.watch.rundir_lock import held_here
+from hybridflow.pipeline.runtime.watch.status import STATUS_FILE, StatusBoard
+from hybridflow.pipeline.runtime.watch.waiting import Reporter, Wait
 from hybridflow.pipeline.runtime.workers import DaemonExecutor
 from hybridflow.pipeline.sources.registry import DataSource
 from hybridflow.transport import auth
@@ -498,7 +498,7 @@ class Coordinator:
             peer.sent(d.task_id, now, bound.seconds, bound.key, note=bound.note)
 
     def _deadline_of(self, d: Dispatch) -> Bound:
-        """The bound of one task of `d`'s op (the table: pipeline/runtime/deadlines.py)."""
+        """The bound of one task of `d`'s op (the table: pipeline/runtime/watch/deadlines.py)."""
         return op_bound(d.op.cfg, d.op.index, self.topo.liveness)
 
     async def _timed_fetch(self, step: int) -> None:
@@ -659,7 +659,7 @@ class Coordinator:
                 return
 
     def _waits(self) -> list[Wait]:
-        """Everything awaited now, longest first (pipeline/runtime/waiting.py)."""
+        """Everything awaited now, longest first (pipeline/runtime/watch/waiting.py)."""
         now, mono, live = asyncio.get_running_loop().time(), time.monotonic(), self.topo.liveness
         found = waiting.waits(self.peers.values(), now, mono, live)
         if not self._all_ready.done():
@@ -678,7 +678,7 @@ class Coordinator:
         return held / STATUS_FILE if held is not None else None
 
     def _status_doc(self, found: list[Wait]) -> dict[str, Any]:
-        """What status.json says now (pipeline/runtime/status.py); `found`: the waits."""
+        """What status.json says now (pipeline/runtime/watch/status.py); `found`: the waits."""
         state, error = "running", ""
         if self._done.done():
             exc = None if self._done.cancelled() else self._done.exception()

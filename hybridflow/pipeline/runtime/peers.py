@@ -2,7 +2,7 @@
 
 `StagePeer` is bookkeeping only: handshake state and the tasks sent and not yet answered
 (oldest first: the one it is working on), and, for the waiting report
-(pipeline/runtime/waiting.py), its last heartbeat and when each task was given. When each
+(pipeline/runtime/watch/waiting.py), its last heartbeat and when each task was given. When each
 stage was last heard from lives in a `transport.liveness.PeerTable` (one last-seen table
 and silence rule for the code base). `check_liveness` turns that plus the launcher's exit
 reports into the run's error, or None:
@@ -14,7 +14,7 @@ reports into the run's error, or None:
 moving):
   - running longer than its op's deadline              -> StageError naming the op, step,
     (`dataflow[i].timeout_s`, else the op's default       micro-batch and the setting; the
-    in pipeline/runtime/deadlines.py), counted from the   clock starts when a heartbeat
+    in pipeline/runtime/watch/deadlines.py), counted from the   clock starts when a heartbeat
     first heartbeat that lists it running                 first lists the task running
   - listed by no heartbeat (queued or running) for     -> StageError: the Task was lost on
     liveness.heartbeat_timeout_s after it was sent        the way or the stage could not
@@ -66,7 +66,7 @@ class StagePeer:
     last_given: TaskRef | None = None
     clocks: dict[int, TaskClock] = field(default_factory=dict)  # task_id -> its deadline
     worker_busy_s: float = 0.0  # from the last heartbeat
-    # For the waiting report (pipeline/runtime/waiting.py): the last heartbeat and when
+    # For the waiting report (pipeline/runtime/watch/waiting.py): the last heartbeat and when
     # it came (loop clock), when each task in flight was given and when the last answer
     # came (time.monotonic(): `given` is called where no loop clock is passed in).
     heartbeat: Heartbeat | None = None

@@ -58,10 +58,10 @@ from hybridflow.pipeline.compiler.plan import (
 from hybridflow.pipeline.observe.metrics import MetricsSink, make_sinks
 from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.launcher import Launcher
-from hybridflow.pipeline.runtime.rundir_lock import lock_dirs
 from hybridflow.pipeline.runtime.session import STAGE_ENTRY, Session, places_hosts, run_dir_of
 from hybridflow.pipeline.runtime.training import run_training
 from hybridflow.pipeline.runtime.validation import Validator
+from hybridflow.pipeline.runtime.watch.rundir_lock import lock_dirs
 
 __all__ = [
     "STAGE_ENTRY",
@@ -99,7 +99,7 @@ def run_topology(
     if checkpointer is None and topo.checkpoint is not None:
         checkpointer = topology_checkpointer(topo)
     honour_log_level(topo.log_level)
-    # One run per directory, for the run's life (pipeline/runtime/rundir_lock.py).
+    # One run per directory, for the run's life (pipeline/runtime/watch/rundir_lock.py).
     with lock_dirs(owned_dirs(topo, checkpointer), f"run {topo.name!r}"):
         return _run_locked(
             topo, plan, collect, run_id, sinks, launcher, start_step, resume_dir, checkpointer

@@ -21,7 +21,7 @@ it; a flock belongs to an open file, so a second lock of the same directory in t
 process is refused like any other (an Engine and a CLI run in one interpreter, two
 Engines on one log_dir), except that `lock_dirs` takes a directory named twice (run_dir
 == save_dir) once. `held_here(path)` says which directory this process holds at or above
-`path`: only the holder of a run's lock writes its status.json (pipeline/runtime/status.py).
+`path`: only the holder of a run's lock writes its status.json (pipeline/runtime/watch/status.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ shell.
 
 The coordinator of the process that holds the run_dir's lock (rundir_lock.py) writes
 status.json every heartbeat interval while a job runs, and once more when the job ends:
-what it waits for (pipeline/runtime/waiting.py: the same lines the console shows after
+what it waits for (pipeline/runtime/watch/waiting.py: the same lines the console shows after
 `liveness.report_interval_s`, here from the first second), the last finished step and the
 job's state. Each write goes to a temporary file renamed over the old one, so a reader
 never sees half a document. Only the lock holder writes it: `hybridflow eval` beside a
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.runtime.rundir_lock import LOCK_FILE, read_holder
+from hybridflow.pipeline.runtime.watch.rundir_lock import LOCK_FILE, read_holder
 from hybridflow.pipeline.runtime.workers import DaemonExecutor
 
 log = logging.getLogger("hybridflow.status")

@@ -4,7 +4,7 @@ Pure functions over the coordinator's bookkeeping (no I/O, no clock of its own: 
 times come in as arguments). The coordinator's liveness loop calls `waits` every
 heartbeat interval; `Reporter` says which of them to log (console and log: anything
 awaited longer than `liveness.report_interval_s`, once per interval), and the same list
-goes to `<run_dir>/status.json` for `hybridflow status` (pipeline/runtime/status.py).
+goes to `<run_dir>/status.json` for `hybridflow status` (pipeline/runtime/watch/status.py).
 
 What is awaited, one `Wait` each:
   - per stage replica with tasks or control calls in flight: the oldest of them (the
@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hybridflow.config.schema import LivenessConfig
-from hybridflow.pipeline.runtime.deadlines import Bound
 from hybridflow.pipeline.runtime.peers import StagePeer, task_text
+from hybridflow.pipeline.runtime.watch.deadlines import Bound
 
 
 @dataclass(frozen=True)
