@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 VENV_VLLM ?= .venv-vllm
 
-.PHONY: demo test test-unit test-vllm lint bench clean
+.PHONY: demo test test-unit test-examples test-vllm lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,10 +24,15 @@ $(VENV)/.dev: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m hybridflow demo
 
-test: lint test-unit test-vllm
+test: lint test-unit test-examples test-vllm
 
+# The main suite; `--durations` lists the slowest tests in CI's output.
 test-unit: $(VENV)/.dev
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not example" --durations=20
+
+# Examples that must visibly learn (minutes each on 2 cores): a suite of their own.
+test-examples: $(VENV)/.dev
+	$(PY) -m pytest -q -p no:cacheprovider -m example --durations=5
 
 # vLLM's CPU build pins its own torch/transformers, so it lives in a second virtualenv.
 test-vllm:

@@ -46,7 +46,7 @@ def test_math_rl_runs_every_phase_and_reports(tmp_path, capsys):
     assert "Let's think step by step" in first["prompt"] and "ground_truth" in first
 
 
-@pytest.mark.slow
+@pytest.mark.example
 @pytest.mark.timeout(3600)
 def test_math_rl_quick_raises_held_out_accuracy_by_10_points(tmp_path):
     summary = load().main(["--quick", "--out", str(tmp_path)])
