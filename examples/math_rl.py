@@ -32,9 +32,10 @@ step, lr 1e-4, 80 steps). Without `--quick` the problems are harder (2-3 steps, 
 up to 20, results up to 60) and every phase is longer: a setting for a GPU.
 
 Measured with --quick (256 held-out problems, greedy):
-  - seed 0 on the 2-core CPU machine, shared with other jobs (load 6-11): SFT 48.8% ->
+  - seed 0 on the 2-core CPU machine, shared with other jobs: SFT 48.8% ->
     67.2% after 80 steps (+18.4 points; 57.8% at step 10, 64.1% at 30, 69.1% at 50);
-    23.4 min wall under that load, 551 CPU-seconds over all processes.
+    8.4 min wall (506 s: data 4, sft 137, rl with validation 357) at load 1.5-3, and
+    23.4 min at load 6-11; the same numbers both times (seeded, one thread per process).
   - one core per run on a 16-core host (other library versions, so other initial
     weights): sft 86 s, 60 RL steps with validation 160 s; the rise by step 50-60 over
     seeds 0-6: +13.3, +11.7, +12.5, +7.8, +17.6, +8.2 (at step 40), +12.9 points. The
