@@ -87,7 +87,14 @@ def test_status_names_what_a_stuck_live_run_waits_on_and_a_killed_one_is_not_ali
         for _ in range(1500):  # until a status names the stuck reward task
             assert proc.poll() is None, console.read_text()[-3000:]
             alive, lines = describe(run_dir)
-            if any(AWAITED in line and "for reward.score step 0" in line for line in lines):
+            # Once the stage's heartbeat lists the task as running (before that the line
+            # says "sent, no heartbeat has listed it yet", bounded by the heartbeat).
+            if any(
+                AWAITED in line
+                and "for reward.score step 0" in line
+                and "`dataflow[1].timeout_s`" in line
+                for line in lines
+            ):
                 break
             time.sleep(0.1)
         else:
