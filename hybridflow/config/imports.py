@@ -50,14 +50,8 @@ def cwd_off_path(*, allow: bool = False) -> Iterator[None]:
     console script never puts it there)."""
     cwd = os.path.realpath(os.getcwd())
     if allow:
-        added = cwd not in {os.path.realpath(p or ".") for p in sys.path}
-        if added:
-            sys.path.append(cwd)
-        try:
+        with _last_on_path(cwd):
             yield
-        finally:
-            if added and cwd in sys.path:
-                sys.path.remove(cwd)
         return
     named = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     saved = list(sys.path)
@@ -75,14 +69,22 @@ def stage_import_path() -> Iterator[None]:
     """While inside, `sys.path` also holds what a stage process's path holds and this
     process's may not (the directory holding hybridflow/, last): a module a stage will
     import is checked here as the stage will find it."""
-    added = PACKAGE_ROOT not in {os.path.realpath(p or ".") for p in sys.path}
+    with _last_on_path(PACKAGE_ROOT):
+        yield
+
+
+@contextlib.contextmanager
+def _last_on_path(directory: str) -> Iterator[None]:
+    """While inside, `directory` is on `sys.path` (appended, so it shadows nothing) unless
+    it already was; removed again at the end only if it was added here."""
+    added = directory not in {os.path.realpath(p or ".") for p in sys.path}
     if added:
-        sys.path.append(PACKAGE_ROOT)
+        sys.path.append(directory)
     try:
         yield
     finally:
-        if added and PACKAGE_ROOT in sys.path:
-            sys.path.remove(PACKAGE_ROOT)
+        if added and directory in sys.path:
+            sys.path.remove(directory)
 
 
 def split_spec(spec: object, path: str, *, form: str = "package.module:attr") -> tuple[str, str]:
