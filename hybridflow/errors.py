@@ -13,7 +13,12 @@
           ├── StageError        a stage raised; carries the remote traceback text
           ├── RewardServiceError an external reward service failed after its retries
           │    └── RewardProtocolError  ... or answered with a reply that breaks the protocol
-          └── RewardFunctionError a Python reward function raised or returned bad values
+          ├── RewardFunctionError a Python reward function raised or returned bad values
+          └── EnvError          an environment's reset/step/close or tool failed (names it)
+               ├── EnvTimeout        ... ran past its bound (names the setting)
+               ├── EnvStuckError     ... too many timed-out calls are still running (max_stuck)
+               └── EnvServiceError   an external environment service failed after its retries
+                    └── EnvProtocolError  ... or answered with a reply that breaks the protocol
 
 Lower-layer exceptions (zmq, msgspec, OSError) are translated into these in exactly one
 place each (`raise X(...) from exc`), so callers only ever catch hybridflow errors.
@@ -150,3 +155,49 @@ class RewardFunctionError(PipelineError):
     def __init__(self, message: str, *, function: str = "", sample: int | None = None) -> None:
         self.function, self.sample = function, sample
         super().__init__(message)
+
+
+class EnvError(PipelineError):
+    """An environment's reset/step/close raised, ran past its bound or returned a
+    malformed value. `what` names the call (e.g. "GuessNumberEnv.step"); the message
+    names the cause. stages/env/protocol.py's `env_call` is where an environment's own
+    exceptions become this."""
+
+    def __init__(self, message: str, *, what: str = "") -> None:
+        self.what = what
+        super().__init__(message)
+
+
+class EnvTimeout(EnvError, TimeoutError):
+    """An environment call ran past its bound; the message names the call and the setting."""
+
+
+class EnvStuckError(EnvError):
+    """Too many calls of one environment method or tool timed out and are still running in
+    their (unkillable) threads: it hangs on these inputs rather than being slow. Names the
+    call, the count and `max_stuck`."""
+
+
+class EnvServiceError(EnvError):
+    """An external environment service failed after its retries, or refused a call. Names
+    the service `url`, the `session_id`, the `call` (reset / step N / close) and the
+    setting that bounded it; `status` is the last HTTP-style status or "unreachable"."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str = "",
+        session_id: str = "",
+        call: str = "",
+        status: str = "",
+    ) -> None:
+        self.url, self.session_id, self.call, self.status = url, session_id, call, status
+        super().__init__(message, what=f"{url} {call}".strip())
+
+
+class EnvProtocolError(EnvServiceError):
+    """An environment service's reply broke the wire schema (undecodable, wrong version,
+    another session's or step's reply, a non-finite reward, an observation on a done
+    step). Never retried, never a fallback: a service that speaks the protocol wrongly
+    is a bug to fix, not an outage."""

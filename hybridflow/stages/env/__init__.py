@@ -2,7 +2,8 @@
 stage's trajectory loop drives. Nothing here talks to an engine or a socket.
 
     protocol.py      Observation / Action / StepResult, the Environment protocol (reset/step,
-                     sync or async) and `call`, the one bounded way to invoke either
+                     sync or async) and `call` / `env_call`, the one bounded way to invoke
+                     either (env_call: every failure an EnvError)
     registry.py      `env: pkg.mod:Class` + `env_options` -> a per-trajectory factory
     parsers.py       tool-call parsers (hermes), a registry for other formats
     tools.py         Python functions as tools: OpenAI schemas, one never-raising call
@@ -44,12 +45,14 @@ from hybridflow.stages.env.protocol import (
     Action,
     EnvError,
     Environment,
+    EnvStuckError,
     EnvTimeout,
     Observation,
     ObservationKind,
     StepResult,
     call,
     close_env,
+    env_call,
     is_environment,
 )
 from hybridflow.stages.env.registry import EnvConfig, make_env_factory
@@ -60,6 +63,7 @@ __all__ = [
     "Action",
     "EnvConfig",
     "EnvError",
+    "EnvStuckError",
     "EnvTimeout",
     "Environment",
     "ErrorKind",
@@ -79,6 +83,7 @@ __all__ = [
     "call",
     "close_env",
     "collate",
+    "env_call",
     "get_parser",
     "is_environment",
     "make_env_factory",

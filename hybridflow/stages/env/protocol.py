@@ -26,19 +26,21 @@ entries are counters the trajectory loop sums and reports as metrics (`tool_call
 
 Either method may be `def` or `async def`; `call(method, *args, timeout_s=..., what=...)`
 awaits both, a sync one in a daemon thread so that a slow environment never blocks the
-event loop. `close()` is optional (called once, when the trajectory ends).
+event loop (stages/deadline.py; a method that keeps timing out is capped by
+`max_stuck`). `close()` is optional (called once, when the trajectory ends).
 
 Invariants: an Observation is exactly one of messages / token ids / nothing; every
 message is a {role, content} mapping of strings; a StepResult's reward is a finite
 float32 number; a done step carries no observation (what training sees must end on a
-model turn). `call` always returns the method's value or raises EnvError /
-EnvTimeout naming the call and its bound: it never hangs past `timeout_s`.
+model turn). `call` returns the method's value, raises the method's own exception, or
+raises EnvTimeout / EnvStuckError naming the call and its bound; `env_call` is the same
+with the method's own exceptions as EnvError. Neither ever hangs past `timeout_s`.
+The error classes live in hybridflow/errors.py (re-exported here).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import inspect
 import threading
@@ -46,12 +48,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from hybridflow.errors import PipelineError
+from hybridflow.errors import EnvError, EnvStuckError, EnvTimeout
 from hybridflow.reward.values import BadReward, reward_number
+from hybridflow.stages.deadline import DaemonCalls, TooManyStuck, as_asyncio
 
 __all__ = [
+    "DEFAULT_MAX_STUCK",
     "Action",
     "EnvError",
+    "EnvStuckError",
     "EnvTimeout",
     "Environment",
     "Message",
@@ -60,27 +65,13 @@ __all__ = [
     "StepResult",
     "call",
     "close_env",
+    "env_call",
     "is_environment",
+    "stuck_calls",
 ]
 
 Message = dict[str, Any]  # {"role": str, "content": str, [+ "name", "tool_call_id", ...]}
 InfoValue = float | int | str
-
-
-class EnvError(PipelineError):
-    """An environment's reset/step/close raised or returned a malformed value. Names the
-    call (`what`, e.g. "GuessNumberEnv.step") and the cause.
-
-    Belongs in hybridflow/errors.py beside RewardFunctionError; it lives here until
-    that file takes it, so this sub-package touches nothing outside itself."""
-
-    def __init__(self, message: str, *, what: str = "") -> None:
-        self.what = what
-        super().__init__(message)
-
-
-class EnvTimeout(EnvError, TimeoutError):
-    """An environment call ran past its bound; the message names the call and the bound."""
 
 
 class ObservationKind(enum.Enum):
@@ -213,58 +204,100 @@ async def call(
     timeout_s: float | None = None,
     what: str = "",
     setting: str = "timeout_s",
+    max_stuck: int | None = None,
 ) -> Any:
     """Run `method(*args)` whether it is sync or `async def`, bounded by `timeout_s`.
 
     A coroutine function is awaited under `asyncio.wait_for` (cancelled at the deadline).
     A sync one runs in its own daemon thread (named `hybridflow-env:<what>`): a thread
     cannot be killed, so at the deadline it is abandoned and runs on, never blocking the
-    process's exit, and the caller gets EnvTimeout at once. Exceptions the method raises
-    propagate unchanged (the caller decides whether they are the model's mistake or the
-    environment's bug); EnvTimeout names `what` and the `setting` that bounds the wait."""
+    process's exit, and the caller gets EnvTimeout at once. Abandoned calls are counted
+    per `what` (stages/deadline.py): while `max_stuck` (default DEFAULT_MAX_STUCK) of
+    them are still running, a new sync call of that `what` raises EnvStuckError instead
+    of starting one more thread. Exceptions the method raises propagate unchanged (the
+    caller decides whether they are the model's mistake or the environment's bug; see
+    `env_call`); EnvTimeout names `what` and the `setting` that bounds the wait."""
     what = what or _what(method)
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"{what}: timeout_s must be > 0, got {timeout_s}")
-    is_async = inspect.iscoroutinefunction(method)
-    aw = method(*args) if is_async else _in_thread(method, args, what)
+    if inspect.iscoroutinefunction(method):
+        aw: Any = method(*args)
+        thread = None
+    else:
+        calls = _daemon_calls(what, setting, max_stuck)
+        try:
+            thread = calls.start(method, *args, name=f"hybridflow-env:{what}")
+        except TooManyStuck as exc:
+            raise EnvStuckError(str(exc), what=what) from None
+        aw = as_asyncio(thread)
     try:
         result = await asyncio.wait_for(aw, timeout_s)
         if inspect.isawaitable(result):  # a sync callable that returned a coroutine
             result = await asyncio.wait_for(result, timeout_s)
+    except asyncio.CancelledError:
+        if thread is not None:  # nobody waits for it any more: it counts as abandoned
+            calls.abandon(thread)
+        raise
     except TimeoutError:
+        if thread is not None:
+            calls.abandon(thread)
         raise EnvTimeout(
             f"{what} did not return within {timeout_s:g} s (bounded by {setting})", what=what
         ) from None
     return result
 
 
-def _in_thread(fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> asyncio.Future[Any]:
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
+async def env_call(
+    method: Callable[..., Any],
+    *args: Any,
+    timeout_s: float | None = None,
+    what: str = "",
+    setting: str = "timeout_s",
+    max_stuck: int | None = None,
+) -> Any:
+    """`call`, with every failure as the EnvError family: the one place where an
+    environment's own exception becomes an EnvError ("<what> raised <Type>: <message>",
+    the original as its cause). EnvErrors (timeouts, a remote service's errors) pass
+    through as they are. For callers to whom any failure is the environment's."""
+    what = what or _what(method)
+    try:
+        return await call(
+            method, *args, timeout_s=timeout_s, what=what, setting=setting, max_stuck=max_stuck
+        )
+    except EnvError:
+        raise
+    except Exception as exc:  # the environment's own bug: named, with its cause
+        raise EnvError(f"{what} raised {type(exc).__name__}: {exc}", what=what) from exc
 
-    def settle(ok: bool, value: Any) -> None:
-        if fut.done():  # abandoned at its deadline (cancelled by wait_for)
-            return
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
 
-    def run() -> None:
-        try:
-            value, ok = fn(*args), True
-        except BaseException as exc:  # handed to the awaiting task, re-raised there
-            value, ok = exc, False
-        # RuntimeError: the loop closed while the call ran, and nobody waits any more
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, ok, value)
+DEFAULT_MAX_STUCK = 64  # abandoned sync calls of one `what` still running, at most
+_DAEMONS: dict[str, DaemonCalls] = {}
+_DAEMONS_LOCK = threading.Lock()
 
-    threading.Thread(target=run, name=f"hybridflow-env:{what}", daemon=True).start()
-    return fut
+
+def _daemon_calls(what: str, setting: str, max_stuck: int | None) -> DaemonCalls:
+    """The process's abandoned-call count for `what` (one per method or tool name)."""
+    cap = DEFAULT_MAX_STUCK if max_stuck is None else max_stuck
+    with _DAEMONS_LOCK:
+        calls = _DAEMONS.get(what)
+        if calls is None:
+            calls = _DAEMONS[what] = DaemonCalls(max_stuck=cap, what=what, setting=setting)
+        else:  # the latest caller's bound and setting name apply
+            if cap < 1:
+                raise ValueError(f"{what}: max_stuck must be >= 1, got {cap}")
+            calls.max_stuck, calls.setting = cap, setting
+    return calls
+
+
+def stuck_calls(what: str) -> int:
+    """Abandoned sync calls of `what` whose threads are still running (for metrics/tests)."""
+    with _DAEMONS_LOCK:
+        calls = _DAEMONS.get(what)
+    return calls.stuck if calls is not None else 0
 
 
 async def close_env(env: object, *, timeout_s: float | None = None) -> None:
-    """Call `env.close()` when it has one (sync or async), bounded like `call`."""
+    """Call `env.close()` when it has one (sync or async), bounded like `env_call`."""
     close = getattr(env, "close", None)
     if callable(close):
-        await call(close, timeout_s=timeout_s)
+        await env_call(close, timeout_s=timeout_s)

@@ -31,8 +31,9 @@ A reward call that raises, times out (reward_timeout_s) or returns a bad value g
 Without a reward, every step's reward is 0.0 (a reward stage scores the trajectory).
 
 Invariants: a ToolEnv is one trajectory's state (build one per trajectory); `step`
-never raises for what the model wrote; `reset` raises EnvError when a reward needs a
-ground truth and the record has none.
+never raises for what the model wrote (only EnvStuckError, when a tool or the reward
+hangs on call after call); `reset` raises EnvError when a reward needs a ground truth
+and the record has none.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridflow.config.imports import load_attr
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ConfigError, EnvStuckError
 from hybridflow.reward.values import split_result
 from hybridflow.stages.env.parsers import ParseError, ToolCall, get_parser
 from hybridflow.stages.env.protocol import (
@@ -240,6 +241,8 @@ class ToolEnv:
                 setting="env_options.reward_timeout_s",
             )
             score, extras = split_result(value)
+        except EnvStuckError:
+            raise  # a reward that hangs on every input is broken: stop, do not score 0
         except Exception as exc:  # raised, timed out (EnvTimeout), bad value (BadReward): logged
             log.warning(
                 "ToolEnv reward %s failed (%s: %s); reward %s",

@@ -22,7 +22,9 @@ the tool did: arguments that do not fit the schema (a missing or unknown paramet
 wrong JSON type), a tool that raises and a tool past its deadline each give a
 ToolOutcome with `error` set (an ErrorKind) and `content` the message the model will
 see. A sync tool runs in a daemon thread (protocol.call), an `async def` tool on the
-event loop; both are bounded by `timeout_s`. A result that is not a string is shown as
+event loop; both are bounded by `timeout_s`. The one exception: EnvStuckError, when so
+many of the tool's calls timed out and still run that it is broken (protocol.call's
+`max_stuck`), stops the run instead of becoming one more observation. A result that is not a string is shown as
 JSON (or str()), cut to `max_chars`.
 """
 
@@ -38,7 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ConfigError, EnvStuckError
 from hybridflow.stages.env.protocol import EnvTimeout, call
 
 __all__ = ["ErrorKind", "Tool", "ToolOutcome", "check_arguments", "render_result"]
@@ -130,6 +132,8 @@ class Tool:
                 what=f"tool {self.name}",
                 setting="tool_timeout_s",
             )
+        except EnvStuckError:
+            raise  # too many of its calls still hang: the tool is broken, not the model
         except EnvTimeout:
             return ToolOutcome(
                 self.name,

@@ -15,7 +15,8 @@ on a pathological input, and a thread cannot be killed. A call past its deadline
 abandoned: its outcome is a timeout, its slot is freed for the next call, and the thread
 runs on as a daemon (it can never block the stage process's exit). `max_stuck` bounds
 how many abandoned calls may still be running; past it the function is broken, not slow,
-and `run` raises. `async def` functions are awaited on a private event loop, each under
+and `run` raises. The threads and that count are stages/deadline.py's `DaemonCalls`,
+which the environment protocol shares. `async def` functions are awaited on a private event loop, each under
 `asyncio.wait_for` (cancelled at its deadline), with the same bound on concurrency.
 
 Invariant: `run` returns one Outcome per call whatever each call did; only a broken
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -35,6 +35,7 @@ from typing import Any
 
 from hybridflow.errors import RewardFunctionError
 from hybridflow.reward.values import BadReward, split_result
+from hybridflow.stages.deadline import DaemonCalls, TooManyStuck
 from hybridflow.transport import aio
 
 VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
@@ -87,7 +88,9 @@ class PerSampleCaller:
         self.max_stuck = max_stuck if max_stuck is not None else 4 * max_workers
         self.is_async = inspect.iscoroutinefunction(fn)
         self.extra_info = takes_extra_info(fn)
-        self._stuck: list[Future[Any]] = []  # abandoned calls that may still be running
+        self._calls = DaemonCalls(
+            max_stuck=self.max_stuck, what=f"reward function {name}", setting="options.timeout_s"
+        )
 
     def run(self, calls: Sequence[dict[str, Any]]) -> list[Outcome]:
         """One Outcome per call (kwargs: data_source, solution_str, ground_truth,
@@ -110,8 +113,10 @@ class PerSampleCaller:
                 if i is None:
                     exhausted = True
                     break
-                self._check_stuck()
-                fut = _start_daemon(self.fn, calls[i], f"reward-fn-{i}")
+                try:
+                    fut = self._calls.start(self.fn, name=f"reward-fn-{i}", **calls[i])
+                except TooManyStuck as exc:
+                    raise RewardFunctionError(str(exc), function=self.name) from None
                 running[fut] = (i, time.monotonic() + self.timeout_s)
             if not running:
                 break
@@ -128,21 +133,11 @@ class PerSampleCaller:
                     out[i] = _outcome(fut, i)
                 elif now >= deadline:
                     out[i] = Outcome(error=f"timed out after {self.timeout_s:g}s", timed_out=True)
-                    self._stuck.append(fut)
+                    self._calls.abandon(fut)
                 else:
                     continue
                 del running[fut]
         return [o if o is not None else Outcome(error="not run") for o in out]
-
-    def _check_stuck(self) -> None:
-        self._stuck = [f for f in self._stuck if not f.done()]
-        if len(self._stuck) >= self.max_stuck:
-            raise RewardFunctionError(
-                f"reward function {self.name}: {len(self._stuck)} calls timed out and are "
-                f"still running (more than max_stuck {self.max_stuck}); it hangs on these "
-                "inputs rather than being slow: fix it or raise options.timeout_s",
-                function=self.name,
-            )
 
     # -- async functions: one private loop ------------------------------------------------
     async def _run_async(self, calls: Sequence[dict[str, Any]]) -> list[Outcome]:
@@ -159,21 +154,6 @@ class PerSampleCaller:
                 return _checked(value, i)
 
         return list(await asyncio.gather(*(one(i) for i in range(len(calls)))))
-
-
-def _start_daemon(fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> Future[Any]:
-    fut: Future[Any] = Future()
-
-    def work() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(**kwargs))
-        except BaseException as exc:  # handed to the waiter, as a pool thread does
-            fut.set_exception(exc)
-
-    threading.Thread(target=work, name=name, daemon=True).start()
-    return fut
 
 
 def _outcome(fut: Future[Any], index: int) -> Outcome:

@@ -1,0 +1,125 @@
+"""Sync calls with a deadline: run in daemon threads, abandoned at the deadline, capped.
+
+Shared by the per-sample reward caller (stages/reward/per_sample.py: one concurrent
+Future per verifier call) and the environment protocol (stages/env/protocol.py: one
+asyncio Future per reset/step/tool call). Both need the same three things:
+
+    calls = DaemonCalls(max_stuck=32, what="reward gsm8k", setting="options.timeout_s")
+    fut = calls.start(fn, *args, name="reward-fn-3", **kwargs)  # concurrent.futures.Future
+    ... at its deadline, the caller gives up:  calls.abandon(fut)
+    calls.check()   # before each start: raises TooManyStuck past max_stuck
+
+Why daemon threads: the callee is plain Python (a regex verifier, a game's step, a tool)
+that may spin on a pathological input, and a thread cannot be killed. A call past its
+deadline is abandoned: the caller gets its timeout at once and the thread runs on as a
+daemon, so it can never block the process's exit. Each abandoned call still holds a
+thread (and whatever it holds); `max_stuck` bounds how many may still be running at once.
+Past it the callee hangs on these inputs rather than being slow, and `check` raises
+`TooManyStuck`, which callers translate into their own error family (the message names
+the call, the count and the setting whose raise would let slow calls finish).
+
+Invariants: `start` never blocks; a Future from `start` is settled exactly once, by its
+thread; `stuck` counts abandoned calls whose thread has not returned yet (finished ones
+are forgotten on each `check`). Thread-safe: calls may start from several threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+__all__ = ["DaemonCalls", "TooManyStuck", "as_asyncio", "start_daemon"]
+
+
+class TooManyStuck(RuntimeError):
+    """More abandoned calls are still running than `max_stuck` allows."""
+
+    def __init__(self, message: str, *, what: str, stuck: int, max_stuck: int) -> None:
+        self.what, self.stuck, self.max_stuck = what, stuck, max_stuck
+        super().__init__(message)
+
+
+def start_daemon(fn: Callable[..., Any], *args: Any, name: str, **kwargs: Any) -> Future[Any]:
+    """`fn(*args, **kwargs)` in a new daemon thread named `name`; its Future."""
+    fut: Future[Any] = Future()
+
+    def work() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to the waiter, as a pool thread does
+            fut.set_exception(exc)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return fut
+
+
+def as_asyncio(fut: Future[Any]) -> asyncio.Future[Any]:
+    """An asyncio Future on the running loop that settles with `fut`. Cancelling it (as
+    `asyncio.wait_for` does at a deadline) leaves the thread running; a thread that
+    returns after the loop closed settles nothing (nobody waits any more)."""
+    loop = asyncio.get_running_loop()
+    out: asyncio.Future[Any] = loop.create_future()
+
+    def settle(src: Future[Any]) -> None:
+        if out.done():  # abandoned at its deadline (cancelled by wait_for)
+            return
+        exc = src.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(src.result())
+
+    def done(src: Future[Any]) -> None:
+        # RuntimeError: the loop closed while the call ran
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, src)
+
+    fut.add_done_callback(done)
+    return out
+
+
+class DaemonCalls:
+    """Daemon-thread calls of one callee, and the count of abandoned ones (module doc)."""
+
+    def __init__(self, *, max_stuck: int, what: str, setting: str) -> None:
+        if max_stuck < 1:
+            raise ValueError(f"{what}: max_stuck must be >= 1, got {max_stuck}")
+        self.max_stuck, self.what, self.setting = max_stuck, what, setting
+        self._lock = threading.Lock()
+        self._stuck: list[Future[Any]] = []  # abandoned calls that may still be running
+
+    @property
+    def stuck(self) -> int:
+        with self._lock:
+            self._stuck = [f for f in self._stuck if not f.done()]
+            return len(self._stuck)
+
+    def check(self) -> None:
+        """Raise TooManyStuck when `max_stuck` abandoned calls are still running."""
+        n = self.stuck
+        if n >= self.max_stuck:
+            raise TooManyStuck(
+                f"{self.what}: {n} calls timed out and are still running (max_stuck "
+                f"{self.max_stuck}); it hangs on these inputs rather than being slow: fix "
+                f"it or raise {self.setting}",
+                what=self.what,
+                stuck=n,
+                max_stuck=self.max_stuck,
+            )
+
+    def start(self, fn: Callable[..., Any], *args: Any, name: str, **kwargs: Any) -> Future[Any]:
+        """`check`, then `fn(*args, **kwargs)` in a daemon thread named `name`."""
+        self.check()
+        return start_daemon(fn, *args, name=name, **kwargs)
+
+    def abandon(self, fut: Future[Any]) -> None:
+        """The caller gave up on `fut` at its deadline; it counts until its thread returns."""
+        if not fut.done():
+            with self._lock:
+                self._stuck.append(fut)
