@@ -44,6 +44,9 @@ sampler's) log-probs; MIS drops whole sequences from the loss and its denominato
 Metrics actor/rollout_corr/{mismatch_kl, mismatch_k3, weight_mean, weight_max,
 masked_frac} (weight_max: the mean of micro-batch maxima).
 
+LoRA (`lora_rank > 0`, models/lora.py): only adapters train; `named_weights` sends the
+merged weights under the base names; a colocated reference runs on the base weights.
+
 Several devices (stages/parallel/): the actor's replicas are the ranks of one FSDP
 group (`fsdp*` options); every task reaches every rank with its share of the rows,
 weights leave gathered one parameter at a time (`named_weights`, collective).
@@ -68,6 +71,7 @@ from hybridflow.algos.losses import aggregate, entropy_bonus, policy_loss
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.loader import ModelOptions
+from hybridflow.models.lora import LoraOptions
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
     SEQUENCE_FIELDS,
@@ -86,7 +90,7 @@ from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
 
 
 @dataclass
-class ActorOptions(ModelOptions, TrainOptions, ShardingOptions):
+class ActorOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions):
     temperature: float = 1.0  # logits / temperature before log-probs: match the rollout's
     clip_ratio_low: float = 0.2
     clip_ratio_high: float | None = None  # None: = clip_ratio_low
@@ -113,6 +117,7 @@ class ActorOptions(ModelOptions, TrainOptions, ShardingOptions):
         ModelOptions.validate(self, path)
         TrainOptions.validate(self, path)
         self.validate_sharding(path)
+        self.validate_lora(path)
         if self.temperature <= 0:
             raise ConfigError(f"{path}.temperature", f"must be > 0, got {self.temperature}")
         if self.kl_loss_type not in (*KL_KINDS, *KL_ALIASES):
@@ -166,9 +171,14 @@ class Actor(ShardedModelRole, RoleBase):
         self.opts = from_dict(ActorOptions, dict(ctx.options), options_path(ctx))
         self.device = ctx.device
         self.tokenizer, self.model = build_model(ctx, self.opts, "causal_lm")
+        self.add_adapters(ctx, self.opts, "causal_lm")
         if self.opts.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
             self.model.train()  # HF only checkpoints in train mode; dropout is 0 anyway
+            if self.adapters is not None:
+                # The frozen embeddings' output needs grad, else a checkpointed block's
+                # recomputation has nothing to differentiate and the adapters get none.
+                self.model.enable_input_require_grads()
         self.shard_if_asked(ctx, self.opts, trainable=True)
         self.trainer = Trainer(
             self.model,
@@ -377,8 +387,9 @@ class Actor(ShardedModelRole, RoleBase):
     # -- weights to the rollout engine ---------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, detached tensor on the training device), one parameter at a
-        time; tied parameters appear once. This is what `update_weights` consumes."""
-        yield from self.named_full_weights()
+        time; tied parameters appear once. This is what `update_weights` consumes. Under
+        LoRA: the base model's names, adapters merged (the engines load them unchanged)."""
+        yield from self.named_policy_weights()
 
     def weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """The weights grouped into buckets of whole parameters, <= `bucket_bytes` each

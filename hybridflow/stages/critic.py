@@ -16,7 +16,8 @@ init; a causal-LM directory loads the trunk and initialises the head (seeded).
 
 Loss: 0.5 * max((V - R)^2, (clip(V, V_old +- cliprange_value) - R)^2), aggregated by
 `loss_agg_mode` (hybridflow.algos.value_loss). Micro-batches, ppo_epochs, mini_batches
-and gradient accumulation behave exactly as for the actor (trainer.py).
+and gradient accumulation behave exactly as for the actor (trainer.py). LoRA options
+(`lora_rank`, ...: models/lora.py) train adapters on the trunk and the whole value head.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hybridflow.algos.losses import value_loss
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.loader import ModelOptions
+from hybridflow.models.lora import LoraOptions
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
     SEQUENCE_FIELDS,
@@ -48,13 +50,14 @@ _SEQUENCES = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
 @dataclass
-class CriticOptions(ModelOptions, TrainOptions, ShardingOptions):
+class CriticOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions):
     cliprange_value: float | None = 0.5  # None: plain 0.5 * MSE
 
     def validate(self, path: str) -> None:
         ModelOptions.validate(self, path)
         TrainOptions.validate(self, path)
         self.validate_sharding(path)
+        self.validate_lora(path)
         if self.cliprange_value is not None and self.cliprange_value < 0:
             raise ConfigError(f"{path}.cliprange_value", "must be >= 0 or null")
 
@@ -74,6 +77,7 @@ class Critic(ShardedModelRole, RoleBase):
         self.opts = from_dict(CriticOptions, dict(ctx.options), options_path(ctx))
         self.device = ctx.device
         self.tokenizer, self.model = build_model(ctx, self.opts, "value")
+        self.add_adapters(ctx, self.opts, "value")  # LoRA: the value head still trains whole
         self.shard_if_asked(ctx, self.opts, trainable=True)
         self.trainer = Trainer(
             self.model, self.opts, seed=ctx.seed, prefix="critic", log=ctx.log, group=self.group

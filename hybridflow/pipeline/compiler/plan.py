@@ -210,6 +210,15 @@ def _check_role_options(
     (`check_plan(path)`, e.g. the native rollout against its model's config) and the
     callable they name. Returns the backend class."""
     cls: type = load_attr(target, path.rsplit(".", 1)[0] + ".backend")
+    lora = sorted(k for k in options if k.startswith("lora_"))
+    if lora and not getattr(cls, "trainable", False):
+        raise ConfigError(
+            f"{path}.{lora[0]}",
+            f"LoRA trains adapters, and {cls.__name__} trains nothing: put the lora_* "
+            "options on a trainable role (actor, critic). A reference colocated with a "
+            "LoRA actor already runs on its base weights (share_base); a rollout gets "
+            "the merged weights at every reshard",
+        )
     options_cls = getattr(cls, "options_cls", None)
     if options_cls is not None:
         opts = from_dict(options_cls, dict(options), path)

@@ -9,7 +9,8 @@ tensor (AdamW's step counts and hyper-parameters) is returned to the caller, whi
 it in the role's JSON state.
 
 Layout: <directory>/shard-<rank+1>-model-00001-of-00001.safetensors, keys
-`model.<HF name>` and `optim.<HF name>.<exp_avg|exp_avg_sq>`.
+`model.<HF name>` and `optim.<HF name>.<exp_avg|exp_avg_sq>`. With `trainable_only`
+(a LoRA role) `model.*` holds the adapters only; the frozen base is not written.
 
 Invariants: save and load are collective over the role's group (every rank calls them);
 resuming on the same number of ranks restores every tensor bit-exactly.
@@ -60,15 +61,29 @@ def _storage(t: torch.Tensor) -> int:
     return int(local.untyped_storage().data_ptr())
 
 
+def _options(trainable_only: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Frozen weights (the base under LoRA adapters) are rebuilt from the role's `model`
+    # options on resume: only what the optimizer changes is written. Their keys are then
+    # absent on load by design, hence not strict.
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
 def _tensors(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
     """-> (what DCP reads/writes, the optimizer state dict, tied name -> its first name)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     # get_state_dict initialises missing optimizer state (zero-grad step, lr 0), so a
     # freshly set-up role has every moment to load into.
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_options(trainable_only))
+    if trainable_only:
+        # A frozen weight tied to another (the LM head to the embeddings) is a state-dict
+        # key of no parameter of its own, which DCP's filter misses.
+        trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        msd = {k: v for k, v in msd.items() if k in trained}
     # Tied weights (embedding = LM head) share storage, which safetensors refuses: store
     # the first name only and re-point the others at it on load.
     first: dict[int, str] = {}
@@ -88,13 +103,19 @@ def _tensors(
 
 
 def save(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, *, alone: bool
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    directory: Path,
+    *,
+    alone: bool,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
-    """Write this rank's shards into `directory`; -> the non-tensor optimizer state."""
+    """Write this rank's shards into `directory`; -> the non-tensor optimizer state.
+    `trainable_only`: only the parameters that require grad (LoRA adapters)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    tensors, osd, _ = _tensors(model, optimizer)
+    tensors, osd, _ = _tensors(model, optimizer, trainable_only)
     directory.mkdir(parents=True, exist_ok=True)
     try:
         with _quiet(alone):
@@ -117,13 +138,14 @@ def load(
     extra: dict[str, Any],
     *,
     alone: bool,
+    trainable_only: bool = False,
 ) -> None:
     """Restore weights and moments from `directory` (any number of writer ranks) and the
     non-tensor state `extra` (what `save` returned)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    tensors, osd, tied = _tensors(model, optimizer)
+    tensors, osd, tied = _tensors(model, optimizer, trainable_only)
     check_dir(directory)
     with _reading(directory), _quiet(alone):
         dcp.load(
@@ -145,6 +167,7 @@ def load(
         optimizer,
         model_state_dict=weights,
         optim_state_dict={"state": state, "param_groups": groups},
+        options=_options(trainable_only),
     )
 
 

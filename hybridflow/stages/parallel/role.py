@@ -11,20 +11,32 @@ goes through here, so it works sharded or not:
                             count
   export_pretrained         the full model as one HF `save_pretrained` directory, written
                             by rank 0 after a collective gather
+  add_adapters              LoRA (models/lora.py), before sharding; then the weights sent
+                            to a rollout are the merged ones (`named_policy_weights`), a
+                            checkpoint holds the adapters only and records their shape,
+                            and the export is a PEFT adapter directory
 
 Invariants: collective methods are called on every rank (the checkpoint store and the
-stage host do so); `group` is None exactly when the model is not sharded.
+stage host do so); `group` is None exactly when the model is not sharded; a checkpoint
+loads only into a role with the same LoRA shape (or none on both sides), else a
+ConfigError names both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hybridflow.errors import ConfigError
+from hybridflow.models.loader import ModelOptions
+from hybridflow.models.lora import Adapters, LoraOptions, wrap
 from hybridflow.stages.base import StageContext
+from hybridflow.stages.common import mix_seed, model_state, options_path
 from hybridflow.stages.parallel import checkpoint as shard_ckpt
 from hybridflow.stages.parallel.fsdp import full_weights, shard_model
 from hybridflow.stages.parallel.group import Group, join
@@ -35,6 +47,25 @@ class ShardedModelRole:
     model: Any
     device: torch.device
     group: Group | None = None
+    adapters: Adapters | None = None  # set: LoRA, only the adapters train
+
+    def add_adapters(self, ctx: StageContext, opts: LoraOptions, kind: str) -> None:
+        """Wrap the model in LoRA adapters when `opts` ask (before `shard_if_asked`:
+        FSDP then shards base and adapters alike). Every rank seeds A alike."""
+        self.adapters = wrap(
+            self.model, opts, kind=kind, seed=mix_seed(ctx.seed, "lora"), path=options_path(ctx)
+        )
+        if self.adapters is not None:
+            trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in self.model.parameters())
+            ctx.log.info(
+                "%s: LoRA rank %d on %s: %d of %d parameters train",
+                ctx.world.get("role"),
+                opts.lora_rank,
+                ",".join(self.adapters.targets),
+                trained,
+                total,
+            )
 
     def shard_if_asked(self, ctx: StageContext, opts: ShardingOptions, *, trainable: bool) -> None:
         replicas = int(ctx.world.get("world_size", 1))
@@ -60,9 +91,40 @@ class ShardedModelRole:
         through `save_shards` (every trainer role, sharded or not)."""
         return getattr(self, "trainer", None) is not None
 
+    def base_model_for(
+        self, opts: ModelOptions, *, kind: str, sharded: bool
+    ) -> tuple[Any, Callable[[], AbstractContextManager[None]]] | str:
+        """The model a frozen role built from `opts` (as `kind`) would hold, as this
+        role's model plus the context that runs it with the adapters disabled; or why
+        not, as text. `sharded`: whether that role runs every task on every rank (a
+        forward of a sharded model is collective)."""
+        if self.adapters is None:
+            return "it has no LoRA adapters (lora_rank 0): its weights are not the base's"
+        if self.adapters.kind != kind:
+            return f"its model is a {self.adapters.kind} model, not a {kind} one"
+        mine = getattr(self, "opts", None)
+        differ = [
+            f.name
+            for f in fields(ModelOptions)
+            if getattr(mine, f.name, None) != getattr(opts, f.name)
+        ]
+        if differ:
+            return f"its model options differ in {', '.join(differ)}"
+        if self.group is not None and not sharded:
+            return "it is FSDP-sharded: set `fsdp: true` on the reference too (its forward is collective)"
+        return self.model, self.adapters.disabled
+
     def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         # Unsharded, each tensor is the parameter itself (detached, no copy).
         yield from full_weights(self.model, self.device)
+
+    def named_policy_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a rollout engine loads: the full weights under the base model's names,
+        adapters merged (W + scaling * B @ A, a copy per adapted layer) under LoRA."""
+        if self.adapters is None:
+            yield from self.named_full_weights()
+        else:
+            yield from self.adapters.merged(self.named_full_weights())
 
     def _optimizer(self) -> torch.optim.Optimizer:
         trainer = getattr(self, "trainer", None)
@@ -70,10 +132,34 @@ class ShardedModelRole:
         return trainer.optimizer
 
     def save_shards(self, directory: Path) -> dict[str, Any]:
-        return shard_ckpt.save(self.model, self._optimizer(), directory, alone=self.group is None)
+        extra = shard_ckpt.save(
+            self.model,
+            self._optimizer(),
+            directory,
+            alone=self.group is None,
+            trainable_only=self.adapters is not None,
+        )
+        extra["lora"] = None if self.adapters is None else self.adapters.describe()
+        return extra
 
     def load_shards(self, directory: Path, extra: dict[str, Any]) -> None:
-        shard_ckpt.load(self.model, self._optimizer(), directory, extra, alone=self.group is None)
+        saved = extra.get("lora")  # absent in checkpoints older than LoRA: full weights
+        mine = None if self.adapters is None else self.adapters.describe()
+        if saved != mine:
+            raise ConfigError(
+                "resume_from",
+                f"checkpoint {directory} holds {_trains(saved)}, but this run's role "
+                f"trains {_trains(mine)}: resume with the lora_* options it was written "
+                "with (lora_rank, lora_alpha, lora_target_modules), or start a new run",
+            )
+        shard_ckpt.load(
+            self.model,
+            self._optimizer(),
+            directory,
+            extra,
+            alone=self.group is None,
+            trainable_only=self.adapters is not None,
+        )
 
     def export_pretrained(self, directory: Path, *, write: bool) -> None:
         """The whole model as a `save_pretrained` directory (collective when sharded;
@@ -81,7 +167,9 @@ class ShardedModelRole:
         from hybridflow.models.loader import save_pretrained
 
         state = None
-        if self.group is not None:
+        if self.group is None and self.adapters is not None:
+            state = model_state(self.model)  # adapters and the base: merged export
+        elif self.group is not None:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 get_model_state_dict,
@@ -90,7 +178,25 @@ class ShardedModelRole:
             state = get_model_state_dict(
                 self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
-        if write:
-            save_pretrained(
-                self.model, getattr(self, "tokenizer", None), directory, state_dict=state
-            )
+        if not write:
+            return
+        tokenizer = getattr(self, "tokenizer", None)
+        if self.adapters is None:
+            save_pretrained(self.model, tokenizer, directory, state_dict=state)
+            return
+        assert state is not None
+        self.adapters.save(directory, state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(directory))
+        if getattr(getattr(self, "opts", None), "lora_export_merged", False):
+            merged = dict(self.adapters.merged(iter(state.items())))
+            save_pretrained(self.model, tokenizer, directory / "merged", state_dict=merged)
+
+
+def _trains(lora: dict[str, Any] | None) -> str:
+    if lora is None:
+        return "all weights (no LoRA)"
+    return (
+        f"LoRA adapters (lora_rank {lora['rank']}, lora_alpha {lora['alpha']}, targets "
+        f"{', '.join(lora['targets'])})"
+    )
