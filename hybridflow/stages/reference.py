@@ -7,10 +7,22 @@
 Built from the same `model` options (and the same run seed) as the actor, it holds the
 actor's initial weights bit for bit; nothing ever trains it, so it has no state to
 checkpoint (it is rebuilt identically on resume).
+
+The reference from the same weights (`share_base`): colocated with a LoRA actor whose
+model options are its own, the reference holds no model of its own; it runs the actor's
+model with the adapters disabled (the base weights are frozen there, so they ARE the
+initial policy). `share_base: null` (default) does so when a colocated role offers its
+base (`base_model_for`, stages/parallel/role.py) and loads its own model otherwise;
+`true` requires sharing (ConfigError naming why it cannot); `false` always loads. The
+decision waits until every colocated role is set up (`bind_colocated`, called by the
+stage host after setup, else at the first task): roles set up in config order.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +47,9 @@ from hybridflow.stages.parallel.role import ShardedModelRole
 class ReferenceOptions(ModelOptions, ShardingOptions):
     temperature: float = 1.0  # must match the actor's
     forward_batch_size: int = 0  # rows per forward (0: the whole micro-batch)
+    # The colocated LoRA actor's base weights instead of a copy (module docstring):
+    # null: when possible; true: required; false: never.
+    share_base: bool | None = None
 
     def validate(self, path: str) -> None:
         ModelOptions.validate(self, path)
@@ -51,26 +66,74 @@ class Reference(ShardedModelRole, RoleBase):
     def __init__(self) -> None:
         self.opts: ReferenceOptions | None = None
         self.model: Any = None
+        # Set when sharing a colocated role's model: the context that disables its adapters.
+        self.base_context: Callable[[], AbstractContextManager[None]] | None = None
+        self._ctx: StageContext | None = None  # until bound (share_base decided)
 
     def setup(self, ctx: StageContext) -> None:
         self.opts = from_dict(ReferenceOptions, dict(ctx.options), options_path(ctx))
         self.device = ctx.device
+        if self.opts.share_base is False or not self._sharers(ctx):
+            if self.opts.share_base:
+                raise ConfigError(
+                    f"{options_path(ctx)}.share_base",
+                    "true needs a colocated LoRA actor in this stage; there is none "
+                    f"(colocated: {sorted(ctx.colocated)})",
+                )
+            self._build(ctx)
+        else:
+            self._ctx = ctx  # decided in bind_colocated
+
+    def _sharers(self, ctx: StageContext) -> dict[str, Any]:
+        return {
+            name: role
+            for name, role in ctx.colocated.items()
+            if role is not self and callable(getattr(role, "base_model_for", None))
+        }
+
+    def _build(self, ctx: StageContext) -> None:
+        assert self.opts is not None
         self.tokenizer, self.model = build_model(ctx, self.opts, "causal_lm")
         self.model.requires_grad_(False)
         # Sharded only with `fsdp: true` (frozen: its replicas may as well be full copies).
         self.shard_if_asked(ctx, self.opts, trainable=False)
 
+    def bind_colocated(self) -> None:
+        """Share a colocated role's base model, or load one's own (module docstring).
+        Once, after every role of the process is set up; a no-op afterwards."""
+        ctx, self._ctx = self._ctx, None
+        if ctx is None:
+            return
+        assert self.opts is not None
+        why = []
+        for name, role in self._sharers(ctx).items():
+            got = role.base_model_for(self.opts, kind="causal_lm", sharded=self.opts.fsdp is True)
+            if isinstance(got, str):
+                why.append(f"{name}: {got}")
+                continue
+            self.model, self.base_context = got
+            ctx.log.info("reference: %s's base weights, adapters disabled (no copy)", name)
+            return
+        if self.opts.share_base:
+            raise ConfigError(
+                f"{options_path(ctx)}.share_base",
+                "true, but no colocated role can lend its base weights: " + "; ".join(why),
+            )
+        self._build(ctx)
+
     @op(inputs=SEQUENCE_FIELDS, outputs=("ref_logprobs",))
     def get_logprob(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         """Log-probs of the responses under the frozen reference policy."""
         assert self.opts is not None
+        self.bind_colocated()
         check_sequences(batch, "reference.get_logprob", self.model.config.vocab_size)
         opts = self.opts
-        ref = chunked_no_grad(
-            lambda b: response_logprobs(self.model, b, self.device, opts.temperature)[0],
-            batch,
-            opts.forward_batch_size,
-        )
+        with self.base_context() if self.base_context else contextlib.nullcontext():
+            ref = chunked_no_grad(
+                lambda b: response_logprobs(self.model, b, self.device, opts.temperature)[0],
+                batch,
+                opts.forward_batch_size,
+            )
         return {"ref_logprobs": ref}, {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -80,4 +143,4 @@ class Reference(ShardedModelRole, RoleBase):
         pass
 
     def close(self) -> None:
-        self.model = None
+        self.model = self.base_context = None

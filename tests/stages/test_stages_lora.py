@@ -1,10 +1,11 @@
 """LoRA on the trainer roles (issue 24), set up and driven directly on the tiny model:
-only adapters train, merged weights for the rollout, checkpoints of adapters only,
-the PEFT export, and the bad-input messages."""
+only adapters train, the reference from the same weights, merged weights for the
+rollout, checkpoints of adapters only, the PEFT export, and the bad-input messages."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from hybridflow.models import ModelOptions, builtin_tokenizer, load_model
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.common import response_logprobs
 from hybridflow.stages.critic import Critic
+from hybridflow.stages.reference import Reference
 from hybridflow.stages.rollout.hf import HFRollout
 
 peft = pytest.importorskip("peft")
@@ -102,6 +104,56 @@ def test_lora_on_a_role_that_does_not_train_is_a_config_error():
         with pytest.raises(ConfigError, match="trains nothing") as err:
             build_plan(topo)
         assert f"roles.{role}.options.lora_rank" in str(err.value)
+
+
+def _colocated(actor_opts, ref_opts=None):
+    """An actor and a reference in one process, as the stage host sets them up."""
+    roles = {"actor": Actor(), "reference": Reference()}
+    from hybridflow.stages.base import StageContext
+
+    for name, opts in (("reference", ref_opts or {"model": "tiny"}), ("actor", actor_opts)):
+        ctx = StageContext(
+            stage="engine",
+            replica=0,
+            device=torch.device("cpu"),
+            seed=0,
+            run_dir=Path("/nonexistent"),
+            options=opts,
+            colocated=roles,
+            world={"role": name},
+        )
+        roles[name].setup(ctx)  # the reference first: it must wait for the actor
+    for role in roles.values():
+        if hasattr(role, "bind_colocated"):
+            role.bind_colocated()
+    return roles["actor"], roles["reference"]
+
+
+def test_the_reference_of_a_lora_actor_is_its_base_with_adapters_disabled(seqs):
+    actor, ref = _colocated(LORA)
+    assert ref.model is actor.model  # no second model in memory
+    _train(actor, seqs)  # the adapters moved: the policy is no longer the base
+    trained, _ = actor.handle("get_logprob", seqs, {})
+    shared, _ = ref.handle("get_logprob", seqs, {})
+    alone = make_role(Reference, "ref", {"model": "tiny"})  # a separately loaded base model
+    assert ref.model is not alone.model
+    base, _ = alone.handle("get_logprob", seqs, {})
+    torch.testing.assert_close(shared["ref_logprobs"], base["ref_logprobs"], atol=1e-6, rtol=0)
+    assert not torch.allclose(trained["old_logprobs"], base["ref_logprobs"], atol=1e-3)
+    after, _ = actor.handle("get_logprob", seqs, {})  # the adapters are back on
+    assert torch.equal(after["old_logprobs"], trained["old_logprobs"])
+
+
+def test_share_base_off_or_impossible_loads_the_references_own_model():
+    actor, ref = _colocated(LORA, {"model": "tiny", "share_base": False})
+    assert ref.model is not actor.model
+    actor, ref = _colocated({"model": "tiny"})  # full fine-tuning: nothing to share
+    assert ref.model is not actor.model
+    with pytest.raises(ConfigError, match="share_base") as err:
+        _colocated({"model": "tiny"}, {"model": "tiny", "share_base": True})
+    assert "no LoRA adapters" in str(err.value)
+    with pytest.raises(ConfigError, match="differ in dtype"):
+        _colocated(LORA, {"model": "tiny", "dtype": "bfloat16", "share_base": True})
 
 
 def _pushed_actor(steps=6):

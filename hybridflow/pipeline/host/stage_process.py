@@ -28,7 +28,8 @@ stage's replicas, "" when there is one), `run_id`, and `dataflow`: op -> {inputs
 outputs, scope} for every op of this role. `ctx.seed` is the run seed, the same in every
 stage (actor and reference build identical initial weights from it); derive per-purpose
 streams from it. `ctx.colocated` holds every role of this process (the hybrid engine's
-in-process hand-off); they are all constructed before any `setup`, in config order.
+in-process hand-off); they are all constructed before any `setup`, in config order, and
+a role's `bind_colocated()` (when it has one) runs once every setup has returned.
 
 Seeds: before any role exists, the process's global RNGs (torch, Python, NumPy) are
 seeded from (run seed, stage, replica), so code that draws from them is reproducible.
@@ -297,6 +298,13 @@ class StageProcess:
             for name, rc in self.cfg.roles.items():
                 part = name
                 await self._in_worker(self.roles[name].setup, self._context(name, rc, device))
+            for name, role in self.roles.items():
+                # What a role takes from a neighbour set up after it (a reference lent
+                # the LoRA actor's base weights: stages/reference.py), once all are up.
+                bind = getattr(role, "bind_colocated", None)
+                if callable(bind):
+                    part = name
+                    await self._in_worker(bind)
             if self.resume_dir:
                 part = "checkpoint"
                 await self._in_worker(
