@@ -10,7 +10,8 @@ stage's trajectory loop drives. Nothing here talks to an engine or a socket.
     tool_env.py      ToolEnv: tool calls until a turn without one, then a verl reward
     observations.py  an observation -> the token ids appended after a model turn
     layout.py        turns -> response_ids / response_mask / rollout_logprobs
-    builtin/         calculator (word problems + gsm8k), guess_number (end-only reward)
+    builtin/         calculator (word problems + gsm8k), guess_number (end-only reward),
+                     python_exec (a python(code) tool in a separate, limited process)
 
 One trajectory, as the loop runs it (token-in/token-out: ids are only ever appended):
 

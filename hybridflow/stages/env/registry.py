@@ -1,6 +1,6 @@
 """Naming an environment in config: `env` + `env_options` -> a per-trajectory factory.
 
-    env: pkg.mod:Class            # or a built-in name: calculator, guess_number
+    env: pkg.mod:Class            # or a built-in name: calculator, guess_number, python
     env_options: {max_turns: 4}   # keyword arguments of Class
 
     factory = make_env_factory(cfg.env, cfg.env_options, path="stages.rollout.options")
@@ -37,6 +37,7 @@ _BUILTIN = "hybridflow.stages.env.builtin"
 BUILTIN_ENVS: dict[str, str] = {
     "calculator": f"{_BUILTIN}.calculator:CalculatorEnv",
     "guess_number": f"{_BUILTIN}.guess_number:GuessNumberEnv",
+    "python": f"{_BUILTIN}.python_exec:PythonEnv",
 }
 _FORM = "package.module:Class"
 

@@ -16,8 +16,9 @@ abandoned: its outcome is a timeout, its slot is freed for the next call, and th
 runs on as a daemon (it can never block the stage process's exit). `max_stuck` bounds
 how many abandoned calls may still be running; past it the function is broken, not slow,
 and `run` raises. The threads and that count are stages/deadline.py's `DaemonCalls`,
-which the environment protocol shares. `async def` functions are awaited on a private event loop, each under
-`asyncio.wait_for` (cancelled at its deadline), with the same bound on concurrency.
+which the environment protocol shares. `async def` functions are awaited on a private
+event loop, each under `asyncio.wait_for` (cancelled at its deadline), with the same
+bound on concurrency.
 
 Invariant: `run` returns one Outcome per call whatever each call did; only a broken
 function (too many stuck calls) raises, as RewardFunctionError.
