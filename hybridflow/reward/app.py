@@ -2,7 +2,8 @@
 
 Wraps a user's reward function and is shared by the HTTP and ZeroMQ front ends
 (http_server.py, zmq_server.py), which only move bytes and map `RequestRejected` to a
-status code.
+status code. The fronts ask a core for nothing but `ServiceCore` (below), so other
+services (the environment service, hybridflow/stages/env/service/) reuse them as they are.
 
 The reward function's signature (the same one the in-process `function` reward backend
 calls, so one function serves both ways):
@@ -33,6 +34,7 @@ import inspect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Protocol
 
 from hybridflow.reward.schema import (
     PROTOCOL_VERSION,
@@ -51,6 +53,21 @@ from hybridflow.reward.values import BadReward, reward_list
 log = logging.getLogger("hybridflow.reward.server")
 
 RewardFn = Callable[..., object]
+
+
+class ServiceCore(Protocol):
+    """What the HTTP and ZeroMQ front ends need of a service: `handle` turns one request
+    body into one reply body (raising RequestRejected for a non-200 answer), `health`
+    answers a health check, and `name` / `max_body_bytes` are for logs and limits."""
+
+    name: str
+    max_body_bytes: int
+
+    def health(self, encoding: Encoding) -> bytes: ...
+
+    async def handle(self, body: bytes, encoding: Encoding) -> bytes: ...
+
+    async def aclose(self) -> None: ...
 
 
 def function_name(fn: RewardFn) -> str:
@@ -91,6 +108,10 @@ class RewardApp:
     @staticmethod
     def error(status: int, message: str, encoding: Encoding, request_id: str | None = None):
         return encode(ErrorReply(error=message, request_id=request_id), encoding)
+
+    async def handle(self, body: bytes, encoding: Encoding) -> bytes:
+        """ServiceCore: a request body is a ScoreRequest."""
+        return await self.score(body, encoding)
 
     async def score(self, body: bytes, encoding: Encoding) -> bytes:
         """Decode, deduplicate, score, encode. Raises RequestRejected(4xx/5xx)."""

@@ -246,13 +246,8 @@ class RewardClient:
         return error_text(answer.body, self.transport.encoding, limit=300)
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
-        """Exponential backoff with equal jitter: half fixed, half random (spreads the
-        retries of many clients without ever retrying immediately)."""
         cfg = self.config
-        if retry_after is not None:
-            return min(retry_after, cfg.backoff_max_s)
-        d = min(cfg.backoff_max_s, cfg.backoff_s * 2 ** (attempt - 1))
-        return d / 2 + self._rng.uniform(0, d / 2)
+        return backoff_delay(attempt, cfg.backoff_s, cfg.backoff_max_s, self._rng, retry_after)
 
     def _error(self, req: ScoreRequest, status: str, what: str, cls=RewardServiceError):
         ids = tuple(item.id for item in req.items)
@@ -290,6 +285,23 @@ class RewardClient:
 
     async def aclose(self) -> None:
         await self.transport.aclose()
+
+
+def backoff_delay(
+    attempt: int,
+    backoff_s: float,
+    backoff_max_s: float,
+    rng: random.Random,
+    retry_after: float | None = None,
+) -> float:
+    """Seconds to wait before retry `attempt` (1, 2, ...): exponential backoff with equal
+    jitter, half fixed, half random (spreads the retries of many clients without ever
+    retrying immediately), capped by `backoff_max_s`; a server's Retry-After wins (capped
+    too). Shared by every service client (reward, environment)."""
+    if retry_after is not None:
+        return min(retry_after, backoff_max_s)
+    d = min(backoff_max_s, backoff_s * 2 ** (attempt - 1))
+    return d / 2 + rng.uniform(0, d / 2)
 
 
 def _show(ids, k: int = 8) -> str:

@@ -1,9 +1,12 @@
-"""HTTP front end of the reward server SDK (aiohttp): routes bytes to a `RewardApp`.
+"""HTTP front end of the reward server SDK (aiohttp): routes bytes to a `ServiceCore`.
 
-    POST /  or  POST /score   JSON ScoreRequest -> 200 ScoreReply
+    POST /  or  POST /score   JSON ScoreRequest -> 200 ScoreReply     (a RewardApp)
     GET  /health              200 Health
     anything else             JSON ErrorReply with the status (400, 401, 404, 405, 409,
                               413, 500)
+
+The environment service (hybridflow/stages/env/service/) serves its own core on other
+paths (`paths`, `path`) through this same front end.
 
 Every non-200 answer carries a JSON `{"version": 1, "error": ...}` body, including the
 router's own 404/405, so a client never has to parse HTML. Bodies are read with a cap
@@ -22,7 +25,7 @@ import logging
 
 from aiohttp import http_exceptions, web
 
-from hybridflow.reward.app import RewardApp
+from hybridflow.reward.app import RewardApp, ServiceCore
 from hybridflow.reward.schema import RequestRejected
 from hybridflow.reward.transports import read_capped
 
@@ -80,7 +83,12 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
         return await _answer_and_close(request, 400, f"malformed request body: {exc.message}")
 
 
-def build_app(core: RewardApp, token: str | None, body_timeout_s: float) -> web.Application:
+def build_app(
+    core: ServiceCore,
+    token: str | None,
+    body_timeout_s: float,
+    paths: tuple[str, ...] = ("/", "/score"),
+) -> web.Application:
     @web.middleware
     async def json_errors(request: web.Request, handler):
         try:
@@ -102,10 +110,12 @@ def build_app(core: RewardApp, token: str | None, body_timeout_s: float) -> web.
         if isinstance(body, web.Response):
             return body
         try:
-            reply = await core.score(body, "json")
+            reply = await core.handle(body, "json")
         except RequestRejected as exc:
             if exc.status >= 500:
                 log.warning("answering %d: %s", exc.status, exc.message)
+            if exc.body is not None:  # the core's own error reply
+                return web.Response(status=exc.status, body=exc.body, content_type=JSON)
             return _error(exc.status, exc.message)
         return web.Response(status=200, body=reply, content_type=JSON)
 
@@ -113,8 +123,8 @@ def build_app(core: RewardApp, token: str | None, body_timeout_s: float) -> web.
         return web.Response(status=200, body=core.health("json"), content_type=JSON)
 
     app = web.Application(middlewares=[json_errors], client_max_size=core.max_body_bytes + 1)
-    app.router.add_post("/", score)
-    app.router.add_post("/score", score)
+    for path in paths:
+        app.router.add_post(path, score)
     app.router.add_get("/health", health)
     return app
 
@@ -124,22 +134,26 @@ class HttpServer:
 
     def __init__(
         self,
-        core: RewardApp,
+        core: ServiceCore,
         host: str,
         port: int,
         token: str | None,
         grace_s: float,
         body_timeout_s: float,
+        *,
+        paths: tuple[str, ...] = ("/", "/score"),
+        path: str = "/score",
     ):
         if not body_timeout_s > 0:
             raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
         self.core, self.host, self.port = core, host, port
         self._token, self._grace_s, self._body_timeout_s = token, grace_s, body_timeout_s
+        self._paths, self._path = paths, path
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         self._runner = web.AppRunner(
-            build_app(self.core, self._token, self._body_timeout_s),
+            build_app(self.core, self._token, self._body_timeout_s, self._paths),
             access_log=None,
             shutdown_timeout=self._grace_s,
         )
@@ -150,7 +164,7 @@ class HttpServer:
 
     @property
     def address(self) -> str:
-        return f"http://{self.host}:{self.port}/score"
+        return f"http://{self.host}:{self.port}{self._path}"
 
     async def aclose(self) -> None:
         if self._runner is not None:

@@ -40,7 +40,7 @@ of an existing field bumps `PROTOCOL_VERSION`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -145,10 +145,14 @@ def error_text(data: bytes, encoding: Encoding, limit: int = 500) -> str:
 
 @dataclass
 class RequestRejected(Exception):
-    """A request a server refuses; `status` is the HTTP-style code the client sees."""
+    """A request a server refuses; `status` is the HTTP-style code the client sees.
+    `body`, when set, is the encoded error reply to send as it is (a service whose error
+    replies carry more than ErrorReply, e.g. the environment service's `retryable`);
+    else the front end encodes an ErrorReply from `message`."""
 
     status: int
     message: str
+    body: bytes | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return f"{self.status}: {self.message}"

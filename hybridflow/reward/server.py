@@ -13,7 +13,9 @@ server's connections (ZeroMQ delivers whole messages only, so it has nothing to 
 `serve` blocks until SIGINT/SIGTERM, then stops accepting, lets running requests finish
 (up to `grace_s`) and returns. `start_server` is the same without blocking, for
 embedding in an existing event loop (and for tests): it returns a `RunningServer` with
-the bound `address` (pass port=0 for a free port) and `aclose()`.
+the bound `address` (pass port=0 for a free port) and `aclose()`. `start_front` and
+`serve_until_stopped` are those two for any `ServiceCore` (app.py): the environment
+service (hybridflow/stages/env/service/) is served by them too.
 
 The function contract is in app.py. It binds 127.0.0.1 unless `host` says otherwise:
 the protocol has no encryption, and the bearer token (HTTP) only keeps honest
@@ -34,12 +36,12 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from hybridflow.errors import ConfigError
-from hybridflow.reward.app import RewardApp, RewardFn
-from hybridflow.reward.schema import DEFAULT_MAX_BODY_BYTES
+from hybridflow.reward.app import RewardApp, RewardFn, ServiceCore
+from hybridflow.reward.schema import DEFAULT_MAX_BODY_BYTES, ZMQ_SCORE
 from hybridflow.transport import aio
 
 log = logging.getLogger("hybridflow.reward.server")
@@ -53,7 +55,7 @@ DEFAULT_BODY_TIMEOUT_S = 30.0  # a 32 MiB body at ~1 MB/s; loopback and LANs tak
 class RunningServer:
     """A started server: `address` is what clients connect to."""
 
-    def __init__(self, core: RewardApp, front) -> None:
+    def __init__(self, core: ServiceCore, front) -> None:
         self.core, self._front = core, front
 
     @property
@@ -77,6 +79,40 @@ class RunningServer:
         await self.aclose()
 
 
+async def start_front(
+    core: ServiceCore,
+    protocol: Protocol,
+    host: str,
+    port: int,
+    *,
+    token: str | None = None,
+    grace_s: float = 10.0,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    http_paths: tuple[str, ...] = ("/", "/score"),
+    http_path: str = "/score",
+    zmq_method: bytes = ZMQ_SCORE,
+) -> RunningServer:
+    """Serve any `ServiceCore` over HTTP (POST on `http_paths`; `http_path` is the one
+    its address names) or ZeroMQ (requests whose method frame is `zmq_method`); both
+    answer health checks. The reward server and the environment service both start here."""
+    if protocol == "http":
+        from hybridflow.reward.http_server import HttpServer
+
+        front = HttpServer(
+            core, host, port, token, grace_s, body_timeout_s, paths=http_paths, path=http_path
+        )
+    elif protocol == "zmq":
+        if token is not None:
+            raise ValueError("token applies to protocol='http' only")
+        from hybridflow.reward.zmq_server import ZmqServer
+
+        front = ZmqServer(core, host, port, grace_s, method=zmq_method)
+    else:
+        raise ValueError(f"protocol must be 'http' or 'zmq', got {protocol!r}")
+    await front.start()
+    return RunningServer(core, front)
+
+
 async def start_server(
     fn: RewardFn,
     protocol: Protocol = "http",
@@ -93,52 +129,27 @@ async def start_server(
     core = RewardApp(
         fn, max_batch=max_batch, max_body_bytes=max_body_bytes, concurrency=concurrency
     )
-    if protocol == "http":
-        from hybridflow.reward.http_server import HttpServer
-
-        front = HttpServer(core, host, port, token, grace_s, body_timeout_s)
-    elif protocol == "zmq":
-        if token is not None:
-            raise ValueError("token applies to protocol='http' only")
-        from hybridflow.reward.zmq_server import ZmqServer
-
-        front = ZmqServer(core, host, port, grace_s)
-    else:
-        raise ValueError(f"protocol must be 'http' or 'zmq', got {protocol!r}")
-    await front.start()
-    return RunningServer(core, front)
+    return await start_front(
+        core,
+        protocol,
+        host,
+        port,
+        token=token,
+        grace_s=grace_s,
+        body_timeout_s=body_timeout_s,
+    )
 
 
-def serve(
-    fn: RewardFn,
-    protocol: Protocol = "http",
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    *,
-    max_batch: int = 256,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    concurrency: int = 8,
-    token: str | None = None,
-    grace_s: float = 10.0,
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+def serve_until_stopped(
+    start: Callable[[], Awaitable[RunningServer]],
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve `fn` until SIGINT/SIGTERM (signals are only caught on the main thread; from
-    another thread, cancel the loop instead). `on_ready(address)` runs once bound."""
+    """Run `start()` on a fresh event loop and serve until SIGINT/SIGTERM (signals are
+    only caught on the main thread; from another thread, cancel the loop instead), then
+    close the server. `on_ready(address)` runs once bound."""
 
     async def main() -> None:
-        server = await start_server(
-            fn,
-            protocol,
-            host,
-            port,
-            max_batch=max_batch,
-            max_body_bytes=max_body_bytes,
-            concurrency=concurrency,
-            token=token,
-            grace_s=grace_s,
-            body_timeout_s=body_timeout_s,
-        )
+        server = await start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         caught = []
@@ -158,6 +169,40 @@ def serve(
             await server.aclose()
 
     aio.run(main())
+
+
+def serve(
+    fn: RewardFn,
+    protocol: Protocol = "http",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    max_batch: int = 256,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    concurrency: int = 8,
+    token: str | None = None,
+    grace_s: float = 10.0,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve `fn` until SIGINT/SIGTERM (serve_until_stopped). `on_ready(address)` runs
+    once bound."""
+
+    def start() -> Awaitable[RunningServer]:
+        return start_server(
+            fn,
+            protocol,
+            host,
+            port,
+            max_batch=max_batch,
+            max_body_bytes=max_body_bytes,
+            concurrency=concurrency,
+            token=token,
+            grace_s=grace_s,
+            body_timeout_s=body_timeout_s,
+        )
+
+    serve_until_stopped(start, on_ready)
 
 
 def load_function(target: str) -> RewardFn:

@@ -180,10 +180,11 @@ class ZmqTransport:
 
     encoding: Encoding = "msgpack"
 
-    def __init__(self, endpoint: str, *, max_body_bytes: int) -> None:
+    def __init__(self, endpoint: str, *, max_body_bytes: int, method: bytes = ZMQ_SCORE) -> None:
         if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"not a ZeroMQ endpoint (tcp://, ipc://): {endpoint!r}")
         self.address = endpoint
+        self._method = method  # the request's first frame (the environment service: b"env")
         self._max_body = max_body_bytes
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -276,7 +277,7 @@ class ZmqTransport:
                 del self._pending[rid]
 
     async def post(self, request_id: str, body: bytes, timeout_s: float) -> Answer:
-        return await self._roundtrip(ZMQ_SCORE, request_id.encode(), body, timeout_s)
+        return await self._roundtrip(self._method, request_id.encode(), body, timeout_s)
 
     async def get_health(self, timeout_s: float) -> Answer:
         self._health_seq += 1

@@ -1,4 +1,6 @@
-"""ZeroMQ front end of the reward server SDK: a ROUTER socket feeding a `RewardApp`.
+"""ZeroMQ front end of the reward server SDK: a ROUTER socket feeding a `ServiceCore`
+(a `RewardApp`, whose method frame is b"score"; the environment service's core uses
+this front end with its own method frame, b"env").
 
 Frames (schema.py has the layout; the ROUTER adds/strips the peer identity):
 
@@ -20,15 +22,24 @@ import logging
 import zmq
 import zmq.asyncio
 
-from hybridflow.reward.app import RewardApp
+from hybridflow.reward.app import RewardApp, ServiceCore
 from hybridflow.reward.schema import ZMQ_HEALTH, ZMQ_SCORE, RequestRejected
 
 log = logging.getLogger("hybridflow.reward.server")
 
 
 class ZmqServer:
-    def __init__(self, core: RewardApp, host: str, port: int, grace_s: float) -> None:
+    def __init__(
+        self,
+        core: ServiceCore,
+        host: str,
+        port: int,
+        grace_s: float,
+        *,
+        method: bytes = ZMQ_SCORE,
+    ) -> None:
         self.core, self.host, self.port, self._grace_s = core, host, port, grace_s
+        self.method = method
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._loop_task: asyncio.Task | None = None
@@ -64,7 +75,7 @@ class ZmqServer:
             log.warning("dropping a %d-frame message with no request_id frame", len(frames))
             return
         identity, method, rid = frames[0], frames[1], frames[2]
-        status, body = 200, b""
+        status, body, message = 200, b"", ""
         if len(frames) != 4:
             status, message = (
                 400,
@@ -72,17 +83,22 @@ class ZmqServer:
             )
         elif method == ZMQ_HEALTH:
             body = self.core.health("msgpack")
-        elif method == ZMQ_SCORE:
+        elif method == self.method:
             try:
-                body = await self.core.score(frames[3], "msgpack")
+                body = await self.core.handle(frames[3], "msgpack")
             except RequestRejected as exc:
                 status, message = exc.status, exc.message
+                body = exc.body if exc.body is not None else b""
         else:
-            status, message = 400, f"unknown method {method[:32]!r}; expected b'score' or b'health'"
+            status, message = (
+                400,
+                f"unknown method {method[:32]!r}; expected {self.method!r} or b'health'",
+            )
         if status != 200:
             if status >= 500:
                 log.warning("answering %d: %s", status, message)
-            body = RewardApp.error(status, message, "msgpack", rid.decode(errors="replace"))
+            if not body:  # else the core's own error reply
+                body = RewardApp.error(status, message, "msgpack", rid.decode(errors="replace"))
         with contextlib.suppress(zmq.ZMQError):  # the socket closed under us: shutting down
             await self._sock.send_multipart([identity, str(status).encode(), rid, body])
 
