@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -242,3 +242,33 @@ def wrap(
 def _cuda(model: torch.nn.Module) -> list[int]:
     dev = next(model.parameters()).device
     return [dev.index or 0] if dev.type == "cuda" else []
+
+
+def merged_policy(
+    options: Mapping[str, Any], seed: int, adapters: Mapping[str, torch.Tensor], path: str
+) -> dict[str, torch.Tensor]:
+    """The policy a LoRA actor's checkpoint stands for, as full weights under the base
+    names: its base model rebuilt on CPU from its `options:` block and the run `seed`
+    (bit-identical to the one it trained on: models/loader.py), `adapters` (the trained
+    tensors, wrapped-model names) loaded and merged. What a rollout loads on resume."""
+    from hybridflow.models.loader import ModelOptions, load_model, load_tokenizer
+
+    def pick(cls: type) -> dict[str, Any]:
+        return {f.name: options[f.name] for f in fields(cls) if f.name in options}
+
+    model_opts, lora_opts = ModelOptions(**pick(ModelOptions)), LoraOptions(**pick(LoraOptions))
+    tokenizer = load_tokenizer(model_opts.tokenizer, model_opts.model, f"{path}.tokenizer")
+    model = load_model(model_opts, tokenizer, seed=seed, path=path)
+    wrapped = wrap(model, lora_opts, kind="causal_lm", seed=seed, path=path)
+    if wrapped is None:
+        raise ConfigError(f"{path}.lora_rank", "the checkpoint holds adapters, the options none")
+    params = dict(model.named_parameters())
+    unknown = [k for k in adapters if k not in params]
+    if unknown:
+        raise ConfigError(
+            "resume_from", f"adapter tensors the model of {path} does not have: {unknown[:4]}"
+        )
+    with torch.no_grad():
+        for name, t in adapters.items():
+            params[name].copy_(t)
+    return dict(wrapped.merged((n, p.detach()) for n, p in model.named_parameters()))

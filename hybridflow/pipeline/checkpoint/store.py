@@ -19,9 +19,14 @@ in the same parent, then renamed; `latest` is replaced atomically after the rena
                                     moments through torch.distributed.checkpoint, one
                                     safetensors file per rank with the shard offsets in
                                     its header (stages/parallel/checkpoint.py): a
-                                    checkpoint of N ranks loads on M ranks
+                                    checkpoint of N ranks loads on M ranks; a LoRA
+                                    role's hold its adapters only (the base is
+                                    rebuilt from the config: a rollout resuming
+                                    gets base + merged adapters, `policy_weights`)
         policy/                     (final checkpoint) the actor's model + tokenizer via
                                     save_pretrained: transformers and vLLM load it as is
+                                    (a LoRA actor: a PEFT adapter directory, and with
+                                    lora_export_merged a save_pretrained `merged/`)
     <save_dir>/latest               the name of the newest complete checkpoint
 
 The config, `CheckpointConfig` (save_dir, save_interval, keep_last, export_final), lives
@@ -393,7 +398,17 @@ def policy_weights(root: Path) -> dict[str, torch.Tensor]:
     if shards.is_dir():
         from hybridflow.stages.parallel.checkpoint import read_full
 
-        return read_full(shards, "model.")
+        weights = read_full(shards, "model.")
+        extra = read_state(stage_dir(root, actor["stage"], 0), f"{actor['role']}.shards")
+        if not extra.get("lora"):
+            return weights
+        # A LoRA actor's shards hold its adapters only: the policy is its base with them
+        # merged, rebuilt from the checkpoint's own config (models/lora.py).
+        from hybridflow.models.lora import merged_policy
+
+        where = f"stages.{actor['stage']}.roles.{actor['role']}.options"
+        options = meta["config"]["stages"][actor["stage"]]["roles"][actor["role"]]["options"]
+        return merged_policy(options, int(meta["seed"]), weights, where)
     # An actor backend without shards (e.g. synthetic) keeps its weights in its state.
     from safetensors.torch import load_file
 
