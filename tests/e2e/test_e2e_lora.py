@@ -34,6 +34,7 @@ def _deterministic(row):
     return {k: v for k, v in row.items() if not k.startswith(clock) and not k.endswith("_s")}
 
 
+@pytest.mark.slow  # three runs over stage processes
 def test_lora_grpo_learns_trains_only_adapters_and_resumes_bit_exactly(tmp_path):
     whole = tmp_path / "whole"
     run_topology(preset("grpo-lora", whole, *SHRINK))
