@@ -452,11 +452,13 @@ class Engine:
         return texts if n == 1 else [texts[i : i + n] for i in range(0, len(texts), n)]
 
     def export(self, directory: str | Path) -> Path:
-        """The current policy as a transformers directory (save_pretrained)."""
+        """The current policy as a transformers directory (save_pretrained); a LoRA
+        actor's is a PEFT adapter directory (`peft.PeftModel.from_pretrained` on the base
+        model loads it; `lora_export_merged: true` adds a save_pretrained `merged/`)."""
         if self.state is None:
             raise ConfigError("export", "nothing trained yet: call train() or sft() first")
         src = Path(self.state) / "policy"
-        if not (src / "config.json").is_file():
+        if not any((src / f).is_file() for f in ("config.json", "adapter_config.json")):
             raise ConfigError("export", f"{self.state} holds no exported policy")
         out = Path(directory)
         shutil.copytree(src, out, dirs_exist_ok=True)
