@@ -282,3 +282,18 @@ def test_two_fsdp_ranks_train_the_adapters_as_one_process_does(tmp_path, seqs):
     back.load_shards(tmp_path / "ck" / "shards", state["extra"])
     got = full_weights(back)
     assert all(torch.equal(got[k], ranked[k]) for k in ranked)
+
+
+def test_the_lora_reshard_bench_reports_merged_and_adapter_bytes(capsys):
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "bench" / "lora_reshard.py"
+    spec = importlib.util.spec_from_file_location("lora_reshard", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--presets", "tiny", "--ranks", "8", "--reps", "1"]) == 0
+    full, lora = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert full["lora_rank"] == 0 and lora["lora_rank"] == 8
+    assert lora["sent_bytes"] == full["sent_bytes"]  # merged: the base model's bytes
+    assert 0 < lora["adapter_bytes"] < full["sent_bytes"] and full["adapter_bytes"] == 0
+    assert lora["trained_params"] < full["trained_params"]
