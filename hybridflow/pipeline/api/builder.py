@@ -56,6 +56,7 @@ MetricsBackend = str | Sequence[str] | Mapping[str, Any] | None
 # Options of the actor that belong to the rollout engine (sampling) instead.
 _ROLLOUT_KEYS = ("max_new_tokens", "top_p", "top_k", "max_batch_size", "stop_on_eos")
 # Model options every role built from the actor's model shares.
+_ROLLOUT_BACKENDS = ("hf", "native", "vllm")
 _MODEL_KEYS = ("tokenizer", "dtype", "init_seed", "init_device", "autocast_bf16", "model_overrides")
 _LIVENESS = {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 30.0, "startup_timeout_s": 180.0}
 _RUN_KEYS = ("step_batch", "micro_batch", "max_offpolicy_steps", "mode", "max_inflight")
@@ -88,15 +89,31 @@ class DataflowBuilder:
         use_vllm: bool = False,
         *,
         rollout: Mapping[str, Any] | None = None,
+        rollout_backend: str | None = None,
         **options: Any,
     ) -> DataflowBuilder:
-        """The policy: its training weights (`actor`) and its sampler (`rollout`, hf or
-        vLLM). By default they share the actor's devices (the hybrid engine: reshard in
+        """The policy: its training weights (`actor`) and its sampler (`rollout`). The
+        sampler's engine is `rollout_backend`: "hf" (transformers, the default), "native"
+        (the project's own GPU engine) or "vllm" (`use_vllm=True` says the same). By
+        default they share the actor's devices (the hybrid engine: reshard in
         process); `device_mapping={"actor": ..., "rollout": ...}` with disjoint devices
         puts the sampler in its own process (weights stream stage to stage after each
         optimizer step). `options` are the actor's (lr, grad_clip, ppo_epochs, ...);
         sampling keys (max_new_tokens, top_p, top_k, temperature) go to the rollout,
-        `temperature` to both."""
+        `temperature` to both; `rollout` holds the engine's own options (kv_cache_gb,
+        dtype, ...)."""
+        if rollout_backend is None:
+            rollout_backend = "vllm" if use_vllm else "hf"
+        elif use_vllm and rollout_backend != "vllm":
+            raise ConfigError(
+                "add_actor.rollout_backend",
+                f"{rollout_backend!r} contradicts use_vllm=True; give one of them",
+            )
+        if rollout_backend not in _ROLLOUT_BACKENDS:
+            raise ConfigError(
+                "add_actor.rollout_backend",
+                f"unknown engine {rollout_backend!r}; known: {', '.join(_ROLLOUT_BACKENDS)}",
+            )
         mapping = _role_mapping(device_mapping, "actor", ("actor",), ("rollout",))
         roll_map = device_mapping.get("rollout") if isinstance(device_mapping, Mapping) else None
         if roll_map is not None:
@@ -107,9 +124,7 @@ class DataflowBuilder:
             roll["temperature"] = options["temperature"]
         roll.update(rollout or {})
         self._add("actor", "hf", {"model": model_name, **actor}, mapping)
-        self._roles["rollout"] = _Role(
-            "vllm" if use_vllm else "hf", {"model": model_name, **roll}, roll_map
-        )
+        self._roles["rollout"] = _Role(rollout_backend, {"model": model_name, **roll}, roll_map)
         return self
 
     def add_critic(

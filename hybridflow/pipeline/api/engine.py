@@ -313,24 +313,28 @@ class Engine:
         *,
         batch_size: int | None = None,
         lr: float | None = None,
+        warmup_steps: int | None = None,
     ) -> TrainResult:
         """Supervised fine-tuning of the current policy on (prompt, response) pairs: a
         built-in task's ideal answers ("last_digit") or a file/records with
         prompt/response. The fine-tuned policy then replaces the initial one everywhere
         (actor, rollout, reference: the usual SFT -> RL pipeline; the processes restart
-        from it at the next call) and RL starts from it at step 0."""
+        from it at the next call) and RL starts from it at step 0. `lr` and
+        `warmup_steps` replace the actor's for SFT only (RL keeps the declared ones)."""
         if steps < 1:
             raise ConfigError("steps", f"must be >= 1, got {steps}")
         declared = self._declared()
         base = declared.topology
         size = batch_size or base.run.step_batch
         stages = dict(base.stages)
-        if lr is not None:  # other actor options than the processes have: a restart
+        given = {"lr": lr, "warmup_steps": warmup_steps}
+        overrides = {k: v for k, v in given.items() if v is not None}
+        if overrides:  # other actor options than the processes have: a restart
             name = next(s for s, c in stages.items() if "actor" in c.roles)
             actor = stages[name].roles["actor"]
             roles = {
                 **stages[name].roles,
-                "actor": dataclasses.replace(actor, options={**actor.options, "lr": lr}),
+                "actor": dataclasses.replace(actor, options={**actor.options, **overrides}),
             }
             stages[name] = dataclasses.replace(stages[name], roles=roles)
         hosts = base.role_stage()
@@ -361,7 +365,7 @@ class Engine:
             )
         )
         plan = build_plan(topo, check_devices=True)
-        launch = plan if lr is not None else None
+        launch = plan if overrides else None
         cfg = ckpt.CheckpointConfig(str(self.log_dir / "sft" / "checkpoints"), 0, 1)
         res = self._job(plan, launch, 0, ckpt.Checkpointer(cfg, steps - 1, self._extra()))
         policy = Path(res.checkpoints[-1]) / "policy"
