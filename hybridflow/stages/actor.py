@@ -176,8 +176,9 @@ class Actor(ShardedModelRole, RoleBase):
             self.model.gradient_checkpointing_enable()
             self.model.train()  # HF only checkpoints in train mode; dropout is 0 anyway
             if self.adapters is not None:
-                # The frozen embeddings' output needs grad, else a checkpointed block's
-                # recomputation has nothing to differentiate and the adapters get none.
+                # Reentrant checkpointing (transformers 4's default; 5 checkpoints without
+                # reentry) gives the adapters no grad unless a block's input needs one, and
+                # the frozen embeddings' output does not.
                 self.model.enable_input_require_grads()
         self.shard_if_asked(ctx, self.opts, trainable=True)
         self.trainer = Trainer(

@@ -62,6 +62,25 @@ def test_only_adapter_parameters_train_and_hold_optimizer_state(seqs):
     assert held and all("lora_" in names[i] for i in held)
 
 
+# The actor's gradient_checkpointing_enable() is deprecated by transformers 5.24 (a name
+# change; it still works): the actor's to update, not this test's subject.
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
+def test_lora_dropout_acts_in_the_update_only_and_checkpointing_keeps_adapter_grads(seqs):
+    actor = make_role(Actor, "actor", {**LORA, "lora_dropout": 0.5})
+    _train(actor, seqs, steps=1)  # B off zero: dropout on the adapter input now matters
+    a, _ = actor.handle("get_logprob", seqs, {})
+    b, _ = actor.handle("get_logprob", seqs, {})
+    assert torch.equal(a["old_logprobs"], b["old_logprobs"])  # no grad: deterministic
+    with torch.enable_grad():
+        lp, _ = response_logprobs(actor.model, seqs, torch.device("cpu"))
+    assert not torch.allclose(lp.detach(), a["old_logprobs"])  # with grad: dropped out
+    ckpt = make_role(Actor, "actor", {**LORA, "gradient_checkpointing": True})
+    before = _state(ckpt)
+    _train(ckpt, seqs, steps=1)
+    after = _state(ckpt)
+    assert any(not torch.equal(before[k], after[k]) for k in after if ".lora_B." in k)
+
+
 def test_a_lora_critic_trains_adapters_and_its_value_head(seqs):
     critic = make_role(Critic, "critic", {"model": "tiny", "lr": 1e-2, "lora_rank": 4})
     before = _state(critic)
