@@ -1,4 +1,5 @@
-"""`hybridflow` command line: run | validate | eval | status | bench | reward-serve | demo.
+"""`hybridflow` command line: run | validate | eval | status | bench | reward-serve |
+env-serve | demo.
 
 Each subcommand's implementation is imported only when it is used, so `--help` and
 `validate` stay fast and never import torch unless they must.
@@ -122,6 +123,20 @@ def _parser() -> argparse.ArgumentParser:
         "$HYBRIDFLOW_REWARD_BODY_TIMEOUT_S)",
     )
 
+    es = sub.add_parser("env-serve", help="serve an environment class over HTTP or ZeroMQ")
+    es.add_argument("env", help="package.module:Class, or a built-in name (guess_number, ...)")
+    es.add_argument("--options", default="{}", help="the class's env_options, a JSON object")
+    es.add_argument("--protocol", choices=("http", "zmq"), default="http")
+    es.add_argument("--host", default="127.0.0.1")
+    es.add_argument("--port", type=int, default=8100)
+    es.add_argument(
+        "--call-timeout-s", type=float, default=60.0, help="bound of one reset/step/close"
+    )
+    es.add_argument("--max-sessions", type=int, default=1024, help="sessions open at once")
+    es.add_argument(
+        "--session-ttl-s", type=float, default=600.0, help="idle seconds before a session closes"
+    )
+
     st = sub.add_parser(
         "status",
         help="what a live run in RUN_DIR waits on (from another shell); exit 1 if not alive",
@@ -145,6 +160,7 @@ COMMANDS = {
     "eval": "hybridflow.pipeline.runtime.evaluate:cli_eval",
     "status": "hybridflow.pipeline.runtime.watch.status:cli_status",
     "reward-serve": "hybridflow.reward.server:cli_serve",
+    "env-serve": "hybridflow.stages.env.service.server:cli_serve",
     "demo": "hybridflow.demo:cli_demo",
 }
 

@@ -1,5 +1,6 @@
 """Environments and tools for multi-turn (agentic) rollouts: the pure pieces the rollout
-stage's trajectory loop drives. Nothing here talks to an engine or a socket.
+stage's trajectory loop drives. Nothing here talks to an engine; only service/ talks to
+sockets (and only it imports aiohttp/zmq, when used).
 
     protocol.py      Observation / Action / StepResult, the Environment protocol (reset/step,
                      sync or async) and `call` / `env_call`, the one bounded way to invoke
@@ -12,6 +13,8 @@ stage's trajectory loop drives. Nothing here talks to an engine or a socket.
     layout.py        turns -> response_ids / response_mask / rollout_logprobs
     builtin/         calculator (word problems + gsm8k), guess_number (end-only reward),
                      python_exec (a python(code) tool in a separate, limited process)
+    service/         external environment services: `env: remote` (RemoteEnv) and
+                     `hybridflow env-serve pkg.mod:Class` (docs/env-service.md)
 
 One trajectory, as the loop runs it (token-in/token-out: ids are only ever appended):
 

@@ -1,6 +1,7 @@
 """Naming an environment in config: `env` + `env_options` -> a per-trajectory factory.
 
-    env: pkg.mod:Class            # or a built-in name: calculator, guess_number, python
+    env: pkg.mod:Class            # or a built-in name: calculator, guess_number, python,
+                                  # remote (an environment service: service/client.py)
     env_options: {max_turns: 4}   # keyword arguments of Class
 
     factory = make_env_factory(cfg.env, cfg.env_options, path="stages.rollout.options")
@@ -15,8 +16,10 @@ shared between trajectories unless the class shares it on purpose.
 `EnvConfig.validate(path)` checks the syntax and the built-in names without importing
 anything (safe at plan time); `make_env_factory` imports the target, checks that
 `env_options` fit its signature (a wrong key is a ConfigError at
-`<path>.env_options.<key>`), and, for a class, that it has `reset` and `step`. Every
-object the factory builds is checked too (EnvError when it is no environment).
+`<path>.env_options.<key>`), and, for a class, that it has `reset` and `step`; a class
+with a `check_options(options, path)` static method validates its option values there,
+once (RemoteEnv does). Every object the factory builds is checked too (EnvError when it
+is no environment).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "calculator": f"{_BUILTIN}.calculator:CalculatorEnv",
     "guess_number": f"{_BUILTIN}.guess_number:GuessNumberEnv",
     "python": f"{_BUILTIN}.python_exec:PythonEnv",
+    "remote": "hybridflow.stages.env.service.client:RemoteEnv",
 }
 _FORM = "package.module:Class"
 
@@ -87,6 +91,9 @@ def make_env_factory(
     if inspect.isclass(cls) and not is_environment(cls):
         raise ConfigError(key, f"{target} has no reset/step methods: it is not an environment")
     _check_options(cls, options, f"{key}_options")
+    check = getattr(cls, "check_options", None)
+    if inspect.isclass(cls) and callable(check):
+        check(dict(options), f"{key}_options")
 
     def factory() -> Environment:
         obj = cls(**options)
