@@ -199,3 +199,19 @@ def test_remote_options_are_checked_by_name_when_the_factory_is_built():
             make_env_factory("remote", options, path)
         assert exc.value.path == f"{path}.{key}", options
     assert RemoteEnv(url="tcp://h:1", retries=1, timeout_s=2, backoff_s=0.5).opts.budget_s() == 4.5
+
+
+async def test_the_http_bearer_token_is_required_when_set(monkeypatch):
+    server = await start_env_server("guess_number", {}, "http", port=0, token="s3cret")
+    try:
+        anonymous = remote(server)
+        with pytest.raises(EnvServiceError, match=r"status 401: missing or wrong bearer token"):
+            await anonymous.reset({})  # 401 is not retried
+        await anonymous.close()  # the loop closes every environment it built, reset or not
+        monkeypatch.setenv("ENV_TOKEN_FOR_TEST", "s3cret")
+        env = remote(server, token_env="ENV_TOKEN_FOR_TEST")
+        await env.reset({"reward_model": {"ground_truth": "5"}})
+        await env.close()
+        assert server.core.applied["reset"] == 1
+    finally:
+        await server.aclose()

@@ -138,6 +138,7 @@ async def test_the_documented_json_calls():
             status, body = await post({**step, "step_id": 2})
             assert status == 409 and "expects step_id 1" in body["error"]
             assert body["retryable"] is False and body["request_id"] == "s1/step/2"
+            assert body["version"] == 1
             status, body = await post({**step, "session_id": "nope"})
             assert status == 404 and "unknown session" in body["error"]
             status, body = await post({"version": 2, "call": "close", "session_id": "s1"})

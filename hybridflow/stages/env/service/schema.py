@@ -131,7 +131,7 @@ class CloseReply(msgspec.Struct, frozen=True, kw_only=True):
     closed: bool = True  # False: the service did not know the session (already closed)
 
 
-class EnvErrorReply(msgspec.Struct, frozen=True, omit_defaults=True):
+class EnvErrorReply(msgspec.Struct, frozen=True):
     error: str
     version: int = ENV_PROTOCOL_VERSION
     request_id: str | None = None
