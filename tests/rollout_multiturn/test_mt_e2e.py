@@ -172,7 +172,7 @@ def test_multi_turn_grpo_runs_masks_observations_and_repeats_exactly(tmp_path):
         for key in COLLECT:
             for x, y in zip(first.collected[step][key], second.collected[step][key], strict=True):
                 assert torch.equal(x, y), (step, key)
-    timing = ("timing/", "perf/", "compute/", "env/step_s", "env/wait_s")
+    timing = ("timing/", "perf/", "compute/", "env/step_s", "env/wait_s", "env/time_share")
     for a, b in zip(first.metrics, second.metrics, strict=True):
         same = {k: v for k, v in a.items() if not k.startswith(timing) and not k.endswith("_s")}
         assert same == {k: b[k] for k in same}

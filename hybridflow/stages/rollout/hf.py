@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from hybridflow.config.loader import from_dict
-from hybridflow.data.batching import decode_metadata, pad_left, unpad
+from hybridflow.data.batching import pad_left, unpad
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
@@ -68,17 +68,17 @@ from hybridflow.stages.common import (
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.rollout.multiturn import (
-    MultiTurnConfig,
     TrajectoryLoop,
     TurnOutput,
     TurnRequest,
+    trajectory_loop,
+    trajectory_records,
 )
 from hybridflow.stages.rollout.state import (
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
     GENERATE_PARAMS,
     LOAD_WEIGHTS_PARAMS,
-    MULTI_TURN_OUTPUTS,
     HFRolloutOptions,
     RolloutState,
     check_prompts,
@@ -131,34 +131,12 @@ class HFRollout(RolloutState, RoleBase):
         # transformers 5.2x renamed `past_key_values` (forward argument and output) to `cache`.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
-        self.loop = self._trajectory_loop(ctx, opts)
-
-    def _trajectory_loop(self, ctx: StageContext, opts: HFRolloutOptions) -> TrajectoryLoop | None:
-        """The multi-turn loop (None without `env`), after checking that the dataflow feeds
-        it each row's record and asks only for outputs this rollout makes."""
-        path = options_path(ctx)
-        generate = (ctx.world.get("dataflow") or {}).get("generate") or {}
-        if not opts.env:
-            wanted = [o for o in MULTI_TURN_OUTPUTS if o in generate.get("outputs", ())]
-            if wanted:
-                raise ConfigError(
-                    f"{path}.env",
-                    f"the dataflow asks generate for {wanted}, which only a multi-turn "
-                    "rollout makes: set env (an environment) or drop them",
-                )
-            return None
-        if generate and "metadata_json" not in generate.get("inputs", ()):
-            raise ConfigError(
-                f"{path}.env",
-                "a multi-turn rollout resets each environment with its row's record: add "
-                "metadata_json to the inputs of the rollout's generate op",
-            )
-        return TrajectoryLoop(
-            MultiTurnConfig.of(opts),
+        self.loop = trajectory_loop(
+            ctx,
+            opts,
             self.tokenizer,
             self.eos_ids,
-            position_limit=getattr(self.model.config, "max_position_embeddings", None),
-            path=path,
+            getattr(self.model.config, "max_position_embeddings", None),
         )
 
     def close(self) -> None:
@@ -238,22 +216,7 @@ class HFRollout(RolloutState, RoleBase):
     ) -> tuple[Batch, Metrics]:
         """`generate` with an environment: one trajectory per row (multiturn.py)."""
         assert self.loop is not None
-        where = "hf rollout generate"
-        if "metadata_json" not in batch:
-            raise BatchError(
-                f"{where}: a multi-turn rollout needs metadata_json (each row's record); "
-                f"the batch has {sorted(batch)}"
-            )
-        try:
-            records = decode_metadata(batch["metadata_json"])
-        except ValueError as exc:
-            raise BatchError(f"{where}: {exc}") from exc
-        if len(records) != batch["prompt_ids"].shape[0]:
-            raise BatchError(
-                f"{where}: metadata_json has {len(records)} rows for "
-                f"{batch['prompt_ids'].shape[0]} prompts"
-            )
-        records = [rec for rec in records for _ in range(opts.n)]  # row i*n+j: prompt i
+        records = trajectory_records(batch, opts.n, "hf rollout generate")
         engine = _HFTurns(self, opts, seed)
         t0 = time.perf_counter()
         result = aio.run(self.loop.run(engine, unpad(ids, mask), records, opts.max_new_tokens))
@@ -429,7 +392,11 @@ def _pad_to(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
 class _HFTurns:
     """The hf sampler as the trajectory loop's turn engine (multiturn.TurnEngine): each
     turn's contexts are left-padded and sampled together, whole (no KV is kept between
-    turns: `appended` is not used), each row up to its own token limit."""
+    turns: `appended` is not used), each row up to its own token limit. Not continuous:
+    a turn's samples depend on the batch they share (one generator), so the loop runs
+    turn-synchronously."""
+
+    continuous = False
 
     def __init__(self, rollout: HFRollout, opts: HFRolloutOptions, seed: int) -> None:
         self.rollout, self.opts, self.seed = rollout, opts, seed
@@ -463,3 +430,6 @@ class _HFTurns:
                 )
         self.gen_s += time.perf_counter() - t0
         return out
+
+    def end(self, keys: Sequence[int]) -> None:
+        """Nothing is kept between turns."""

@@ -7,22 +7,30 @@ coordinator. One `generate` call (one micro-batch) is one `TrajectoryLoop.run`:
 
     for each row, concurrently:  env = factory(); first = reset(record)
         prompt = the row's prompt (first is EMPTY) | first's messages templated | its ids
-    turn k = 0, 1, ...  (every live trajectory in one engine call: turn-synchronous)
+    turn k = 0, 1, ...
         limit_i = min(max_new_tokens, budget - context_i)      budget: max_total_tokens
         out_i   = engine.generate(context_i, limit_i)         seeded (seed, step, mb, k)
         concurrently (at most env_concurrency calls):  res_i = env_i.step(out_i)
         a trajectory ends: res.done | its max_turns-th turn | no budget for the
                            observation plus one token; else context_i += out_i + obs_i
+        engine.end([i]) when trajectory i ends (a KV-keeping engine frees its cache)
     close every env; layouts -> collate (what single-turn generate returns, + env_reward)
+
+Two schedules of the same turns (TurnEngine.continuous, turns.py):
+  - turn-synchronous (hf): turn k of every live trajectory is one engine call; turn k+1
+    starts when turn k's slowest environment step returns (bounded by env_timeout_s).
+    The set of trajectories that share a call, and their order, depend only on the
+    trajectories themselves, so a seeded run repeats exactly.
+  - continuous (native): every trajectory runs on its own; its next turn is submitted
+    the moment its environment step returns and joins the engine's running decode batch,
+    so a slow tool or a long trajectory holds no other. A request's samples depend on its
+    own seed (seed, step, mb, row, turn) alone, so this repeats too (up to the float
+    rounding of batched kernels at different batch sizes, as single-turn native does).
 
 Token-in/token-out: turn k+1's input ids are exactly turn k's input ids, plus the ids
 the engine generated, plus the observation's ids (stages/env/observations.py). Nothing
 already in a context is ever decoded and re-tokenized.
 
-Turn-synchronous on purpose: the set of trajectories that share turn k's engine call,
-and their order, depend only on the trajectories themselves, so a seeded run repeats
-exactly (each turn's generator is seeded from the call's seed and k). The price: turn
-k+1 starts when turn k's slowest environment step returns (bounded by env_timeout_s).
 An engine that keeps a trajectory's KV between turns receives `TurnRequest.appended`:
 only the last `appended` ids of the context are new since its previous turn.
 
@@ -31,20 +39,7 @@ the micro-batch with an EnvError naming the call, the row, the turn and the boun
 model's mistake inside a tool is the environment's to turn into an observation,
 ToolEnv does). Nothing hangs: every environment call is bounded.
 
-Metrics (per generate call; the coordinator averages micro-batches):
-  rollout/turns/mean        model turns per trajectory
-  rollout/tool_calls        tool calls per trajectory (the env's `tool_calls` info)
-  rollout/tool_errors       failed tool calls per trajectory (`tool_errors`)
-  rollout/obs_token_frac    observation tokens / response tokens
-  rollout/truncated_frac    trajectories the loop's limits ended (not the environment)
-  rollout/env_reward/mean   mean env_reward
-  rollout/context_tokens    context tokens of every turn's request (what an engine that
-                            re-prefills each turn prefills: the hf backend)
-  rollout/appended_tokens   the new part of those contexts (what a KV-keeping engine needs)
-  env/step_s                mean seconds of one env.step call; env/wait_s: seconds the
-                            loop waited on environment calls
-  env/<key>                 per trajectory, the sum of any other numeric `info` entry
-                            (won, invalid_guess, tool_s, reward_failures, ...)
+Metrics: turns.py (`loop_metrics`).
 
 Invariants: every trajectory has at least one model turn; a layout ends on a model
 token; `env_reward` is the sum of a trajectory's step rewards (its final reward for the
@@ -56,28 +51,35 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-import torch
-
-from hybridflow.data.batching import pad_left
+from hybridflow.data.batching import decode_metadata
 from hybridflow.errors import BatchError, ConfigError
-from hybridflow.stages.env.layout import ResponseLayout, Trajectory, collate
+from hybridflow.stages.base import Batch, StageContext
+from hybridflow.stages.common import options_path
+from hybridflow.stages.env.layout import Trajectory
 from hybridflow.stages.env.observations import ObservationEncoder
 from hybridflow.stages.env.protocol import (
     Action,
     EnvError,
     Environment,
-    EnvTimeout,
     Observation,
     ObservationKind,
     StepResult,
-    call,
-    close_env,
 )
 from hybridflow.stages.env.registry import make_env_factory
+from hybridflow.stages.rollout.env_calls import bounded, close_all, env_call
+from hybridflow.stages.rollout.state import MULTI_TURN_OUTPUTS
+from hybridflow.stages.rollout.turns import (
+    LoopResult,
+    MultiTurnConfig,
+    TurnEngine,
+    TurnOutput,
+    TurnRequest,
+    loop_metrics,
+)
 
 __all__ = [
     "LoopResult",
@@ -86,62 +88,9 @@ __all__ = [
     "TurnEngine",
     "TurnOutput",
     "TurnRequest",
+    "trajectory_loop",
+    "trajectory_records",
 ]
-
-_SETTING = "env_timeout_s"
-# info keys reported under rollout/ (the names issue 23 promises), the others under env/
-_ROLLOUT_COUNTERS = {"tool_calls": "rollout/tool_calls", "tool_errors": "rollout/tool_errors"}
-
-
-@dataclass(frozen=True)
-class TurnRequest:
-    """Continue trajectory `key` by one model turn of at most `max_new_tokens` tokens.
-    `context_ids` is the whole context; its last `appended` ids are new since the
-    trajectory's previous turn (all of them on its first turn)."""
-
-    key: int
-    context_ids: list[int]
-    appended: int
-    max_new_tokens: int
-
-
-@dataclass(frozen=True)
-class TurnOutput:
-    ids: list[int]  # the generated ids (the stop token included when it stopped)
-    logprobs: list[float]  # the sampler's log-prob of each
-    stopped: bool  # ended on a stop token (False: cut at its max_new_tokens)
-
-
-class TurnEngine(Protocol):
-    """A backend's single-turn primitive. `generate` answers every request, in order;
-    `turn` is the loop's turn index (the engine seeds its sampling from it)."""
-
-    async def generate(self, requests: Sequence[TurnRequest], turn: int) -> list[TurnOutput]: ...
-
-
-@dataclass(frozen=True)
-class MultiTurnConfig:
-    """The loop's settings: the rollout options of the same names (state.py)."""
-
-    env: str
-    env_options: Mapping[str, Any]
-    max_turns: int
-    max_total_tokens: int  # 0: the model's positions only
-    env_timeout_s: float
-    env_concurrency: int
-    tool_parser: str  # "": the environment's own
-
-    @classmethod
-    def of(cls, opts: Any) -> MultiTurnConfig:
-        return cls(
-            env=opts.env,
-            env_options=dict(opts.env_options),
-            max_turns=opts.max_turns,
-            max_total_tokens=opts.max_total_tokens,
-            env_timeout_s=opts.env_timeout_s,
-            env_concurrency=opts.env_concurrency,
-            tool_parser=opts.tool_parser,
-        )
 
 
 @dataclass
@@ -156,24 +105,7 @@ class _Row:
     appended: int = 0  # context ids new since the last turn
     done: bool = False
     truncated: bool = False  # ended by the loop's limits, not by the environment
-
-
-@dataclass(frozen=True)
-class LoopResult:
-    prompts: list[list[int]]  # each trajectory's prompt ids
-    prompt_replaced: bool  # some reset replaced its row's prompt
-    layouts: list[ResponseLayout]
-    env_reward: list[float]
-    metrics: dict[str, float]
-
-    def tensors(self, pad_id: int) -> dict[str, torch.Tensor]:
-        """The layouts collated (response_ids/mask, rollout_logprobs, num_turns) and
-        env_reward [B] float32; prompt_ids/prompt_mask only when a reset replaced one."""
-        out = collate(self.layouts, pad_id)
-        out["env_reward"] = torch.tensor(self.env_reward, dtype=torch.float32)  # [B]
-        if self.prompt_replaced:
-            out["prompt_ids"], out["prompt_mask"] = pad_left(self.prompts, pad_id)  # [B, P]
-        return out
+    env_s: float = 0.0  # seconds in this trajectory's environment calls
 
 
 class TrajectoryLoop:
@@ -223,21 +155,36 @@ class TrajectoryLoop:
         t_env = [0.0]  # seconds waited on environment calls
         step_times: list[float] = []
         envs: list[Environment] = []
+        t_start = time.perf_counter()
         try:
             rows, context, appended = await self._turns(
                 engine, prompts, records, max_new_tokens, envs, t_env, step_times
             )
         except BaseException:
-            await self._close_all(envs, report=False)  # the first error is the one to see
+            _end(engine, range(len(prompts)))  # nothing kept for trajectories that stopped
+            await close_all(
+                envs, self.cfg.env_timeout_s, report=False
+            )  # the first error is the one to see
             raise
+        wall = time.perf_counter() - t_start
         t0 = time.perf_counter()
-        await self._close_all(envs)
+        await close_all(envs, self.cfg.env_timeout_s)
         t_env[0] += time.perf_counter() - t0
         replaced = any(row.traj.prompt_ids != list(p) for row, p in zip(rows, prompts, strict=True))
         layouts = [row.traj.layout() for row in rows]
-        metrics = self._metrics(rows, layouts, step_times, t_env[0])
+        metrics = loop_metrics(
+            layouts,
+            [row.reward for row in rows],
+            [row.truncated for row in rows],
+            [row.counters for row in rows],
+            step_times,
+            t_env[0],
+        )
         metrics["rollout/context_tokens"] = float(context)
         metrics["rollout/appended_tokens"] = float(appended)
+        metrics["env/time_share"] = (
+            sum(row.env_s for row in rows) / len(rows) / wall if wall > 0 else 0.0
+        )
         return LoopResult(
             prompts=[row.traj.prompt_ids for row in rows],
             prompt_replaced=replaced,
@@ -258,13 +205,33 @@ class TrajectoryLoop:
     ) -> tuple[list[_Row], int, int]:
         """reset every row, then the turns -> (rows, context tokens, appended tokens)."""
         t0 = time.perf_counter()
-        rows = await self._bounded(
+        rows = await bounded(
             [
                 self._start(i, p, r, envs)
                 for i, (p, r) in enumerate(zip(prompts, records, strict=True))
-            ]
+            ],
+            self.cfg.env_concurrency,
         )
         t_env[0] += time.perf_counter() - t0
+        if not getattr(engine, "continuous", False):
+            return (rows, *await self._lockstep(engine, rows, max_new_tokens, t_env, step_times))
+        sem = asyncio.Semaphore(self.cfg.env_concurrency)  # environment calls, not turns
+        counts = await bounded(
+            [self._one(engine, rows, i, max_new_tokens, sem, step_times) for i in range(len(rows))],
+            len(rows),
+        )
+        t_env[0] += sum(row.env_s for row in rows) / len(rows)
+        return rows, sum(c for c, _ in counts), sum(a for _, a in counts)
+
+    async def _lockstep(
+        self,
+        engine: TurnEngine,
+        rows: list[_Row],
+        max_new_tokens: int,
+        t_env: list[float],
+        step_times: list[float],
+    ) -> tuple[int, int]:
+        """Turn-synchronous: turn k of every live trajectory in one engine call."""
         context = appended = 0
         for turn in range(self.cfg.max_turns):
             live = [i for i, row in enumerate(rows) if not row.done]
@@ -273,23 +240,50 @@ class TrajectoryLoop:
                 break
             context += sum(len(r.context_ids) for r in requests)
             appended += sum(r.appended for r in requests)
-            outputs = await engine.generate(requests, turn)
-            if len(outputs) != len(requests):
-                raise BatchError(
-                    f"multi-turn: the engine answered {len(outputs)} of {len(requests)} requests"
-                )
+            outputs = _answered(await engine.generate(requests, turn), requests)
             t0 = time.perf_counter()
-            results = await self._bounded(
+            results = await bounded(
                 [
                     self._step(rows[r.key], r.key, turn, out, step_times)
                     for r, out in zip(requests, outputs, strict=True)
-                ]
+                ],
+                self.cfg.env_concurrency,
             )
             t_env[0] += time.perf_counter() - t0
             last = turn == self.cfg.max_turns - 1
             for r, out, res in zip(requests, outputs, results, strict=True):
                 self._advance(rows[r.key], out, res, last, f"multi-turn row {r.key} turn {turn}")
-        return rows, context, appended
+            _end(engine, [r.key for r in requests if rows[r.key].done])
+        return context, appended
+
+    async def _one(
+        self,
+        engine: TurnEngine,
+        rows: list[_Row],
+        i: int,
+        max_new_tokens: int,
+        sem: asyncio.Semaphore,
+        step_times: list[float],
+    ) -> tuple[int, int]:
+        """Continuous: trajectory i alone, turn after turn -> (context, appended) tokens."""
+        row, context, appended = rows[i], 0, 0
+        try:
+            for turn in range(self.cfg.max_turns):
+                requests = self._requests(rows, [i], max_new_tokens, turn)
+                if not requests:
+                    break
+                context += len(requests[0].context_ids)
+                appended += requests[0].appended
+                (out,) = _answered(await engine.generate(requests, turn), requests)
+                async with sem:
+                    res = await self._step(row, i, turn, out, step_times)
+                last = turn == self.cfg.max_turns - 1
+                self._advance(row, out, res, last, f"multi-turn row {i} turn {turn}")
+                if row.done:
+                    break
+        finally:
+            _end(engine, [i])
+        return context, appended
 
     async def _start(
         self, i: int, prompt: Sequence[int], record: dict[str, Any], envs: list[Environment]
@@ -305,7 +299,9 @@ class TrajectoryLoop:
                 what=self.cfg.env,
             ) from exc
         envs.append(env)
-        first = await self._env_call(env.reset, dict(record), row=i, turn=-1)
+        first = await env_call(
+            env.reset, dict(record), timeout_s=self.cfg.env_timeout_s, row=i, turn=-1
+        )
         if not isinstance(first, Observation):
             raise EnvError(
                 f"multi-turn row {i}: {type(env).__name__}.reset returned a "
@@ -352,8 +348,11 @@ class TrajectoryLoop:
         text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
         action = Action(text, tuple(out.ids), truncated=not out.stopped)
         t0 = time.perf_counter()
-        res = await self._env_call(row.env.step, action, row=i, turn=turn)
+        res = await env_call(
+            row.env.step, action, timeout_s=self.cfg.env_timeout_s, row=i, turn=turn
+        )
         times.append(time.perf_counter() - t0)
+        row.env_s += times[-1]
         if not isinstance(res, StepResult):
             name = type(row.env).__name__
             raise EnvError(
@@ -392,60 +391,6 @@ class TrajectoryLoop:
         row.appended = len(out.ids) + len(obs)
 
     # -- environments ----------------------------------------------------------------------
-    async def _env_call(self, method: Callable[..., Any], *args: Any, row: int, turn: int) -> Any:
-        owner = getattr(method, "__self__", None)
-        what = f"{type(owner).__name__}.{getattr(method, '__name__', 'call')}"
-        where = f"multi-turn row {row}" + (f" turn {turn}" if turn >= 0 else "")
-        try:
-            return await call(
-                method, *args, timeout_s=self.cfg.env_timeout_s, what=what, setting=_SETTING
-            )
-        except EnvTimeout as exc:
-            raise EnvTimeout(f"{where}: {exc}", what=what) from None
-        except EnvError as exc:
-            raise EnvError(f"{where}: {exc}", what=exc.what or what) from exc
-        except Exception as exc:  # the environment's own bug: named, the micro-batch stops
-            raise EnvError(
-                f"{where}: {what} raised {type(exc).__name__}: {exc}", what=what
-            ) from exc
-
-    async def _bounded(self, coros: list[Any]) -> list[Any]:
-        """Run `coros` at most env_concurrency at a time; results in order. The first
-        failure cancels the rest (TaskGroup) and propagates."""
-        sem = asyncio.Semaphore(self.cfg.env_concurrency)
-
-        async def one(coro: Any) -> Any:
-            async with sem:
-                return await coro
-
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(one(c)) for c in coros]
-        except BaseExceptionGroup as group:  # the first failure, as itself (not a group)
-            first = next(
-                (e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)),
-                group.exceptions[0],
-            )
-            raise first from first.__cause__  # its own cause kept, the group dropped
-        return [t.result() for t in tasks]
-
-    async def _close_all(self, envs: list[Environment], *, report: bool = True) -> None:
-        """Close every environment built (also after a failure); with `report`, a close
-        that failed is raised once, after all were tried."""
-        if not envs:
-            return
-        results = await asyncio.gather(
-            *(close_env(env, timeout_s=self.cfg.env_timeout_s) for env in envs),
-            return_exceptions=True,
-        )
-        failed = [r for r in results if isinstance(r, Exception)]
-        if failed and report:
-            raise EnvError(
-                f"multi-turn: {len(failed)} environment close call(s) failed, first: "
-                f"{type(failed[0]).__name__}: {failed[0]}",
-                what="close",
-            ) from failed[0]
-
     def _encoder(self, env: Environment) -> ObservationEncoder:
         schema_fn = getattr(env, "tools_schema", None)
         tools = list(schema_fn()) if callable(schema_fn) else []
@@ -460,28 +405,73 @@ class TrajectoryLoop:
         return "max_total_tokens" if self.cfg.max_total_tokens else "the model's positions"
 
     # -- metrics ---------------------------------------------------------------------------
-    def _metrics(
-        self,
-        rows: list[_Row],
-        layouts: list[ResponseLayout],
-        step_times: list[float],
-        env_s: float,
-    ) -> dict[str, float]:
-        n = len(rows)
-        response = sum(len(lay.response_mask) for lay in layouts)
-        observed = sum(lay.observation_tokens for lay in layouts)
-        metrics = {
-            "rollout/turns/mean": sum(lay.num_turns for lay in layouts) / n,
-            "rollout/tool_calls": 0.0,
-            "rollout/tool_errors": 0.0,
-            "rollout/obs_token_frac": observed / response if response else 0.0,
-            "rollout/truncated_frac": sum(row.truncated for row in rows) / n,
-            "rollout/env_reward/mean": sum(row.reward for row in rows) / n,
-            "env/step_s": sum(step_times) / len(step_times) if step_times else 0.0,
-            "env/wait_s": env_s,
-        }
-        keys = sorted({k for row in rows for k in row.counters})
-        for key in keys:
-            name = _ROLLOUT_COUNTERS.get(key, f"env/{key}")
-            metrics[name] = sum(row.counters.get(key, 0.0) for row in rows) / n
-        return metrics
+
+
+def trajectory_loop(
+    ctx: StageContext,
+    opts: Any,
+    tokenizer: Any,
+    stop_token_ids: Sequence[int],
+    position_limit: int | None,
+) -> TrajectoryLoop | None:
+    """A rollout backend's loop (None without `env`), after checking that the dataflow
+    feeds it each row's record and asks only for outputs a rollout of this kind makes.
+    `position_limit`: the most positions a trajectory may reach in this engine."""
+    path = options_path(ctx)
+    generate = (ctx.world.get("dataflow") or {}).get("generate") or {}
+    if not opts.env:
+        wanted = [o for o in MULTI_TURN_OUTPUTS if o in generate.get("outputs", ())]
+        if wanted:
+            raise ConfigError(
+                f"{path}.env",
+                f"the dataflow asks generate for {wanted}, which only a multi-turn "
+                "rollout makes: set env (an environment) or drop them",
+            )
+        return None
+    if generate and "metadata_json" not in generate.get("inputs", ()):
+        raise ConfigError(
+            f"{path}.env",
+            "a multi-turn rollout resets each environment with its row's record: add "
+            "metadata_json to the inputs of the rollout's generate op",
+        )
+    return TrajectoryLoop(
+        MultiTurnConfig.of(opts),
+        tokenizer,
+        stop_token_ids,
+        position_limit=position_limit,
+        path=path,
+    )
+
+
+def trajectory_records(batch: Batch, n: int, where: str) -> list[dict[str, Any]]:
+    """Each trajectory's record (row i*n+j: prompt i's) from the batch's metadata_json."""
+    if "metadata_json" not in batch:
+        raise BatchError(
+            f"{where}: a multi-turn rollout needs metadata_json (each row's record); "
+            f"the batch has {sorted(batch)}"
+        )
+    try:
+        records = decode_metadata(batch["metadata_json"])
+    except ValueError as exc:
+        raise BatchError(f"{where}: {exc}") from exc
+    if len(records) != batch["prompt_ids"].shape[0]:
+        raise BatchError(
+            f"{where}: metadata_json has {len(records)} rows for "
+            f"{batch['prompt_ids'].shape[0]} prompts"
+        )
+    return [rec for rec in records for _ in range(n)]
+
+
+def _answered(outputs: list[TurnOutput], requests: Sequence[TurnRequest]) -> list[TurnOutput]:
+    if len(outputs) != len(requests):
+        raise BatchError(
+            f"multi-turn: the engine answered {len(outputs)} of {len(requests)} requests"
+        )
+    return outputs
+
+
+def _end(engine: TurnEngine, keys: Sequence[int] | range) -> None:
+    """Tell the engine these trajectories are over (engines without `end` keep nothing)."""
+    end = getattr(engine, "end", None)
+    if end is not None and len(keys):
+        end(list(keys))

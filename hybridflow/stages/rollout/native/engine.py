@@ -2,8 +2,10 @@
 
     add_request(Request) -> id        queue its rows (validated here)
     step() -> [RequestOutput]         1. admit queued rows into free slots and prefill them
-                                         (batched; n samples share one prompt prefill),
-                                         which samples their first token;
+                                         (batched; n samples share one prompt prefill; a
+                                         session's next turn prefills only its new tokens
+                                         on top of its parked K/V), which samples their
+                                         first token;
                                       2. one decode step for every live row, attending to
                                          the smallest length bucket that holds every row's
                                          position (a CUDA graph of the smallest batch and
@@ -11,6 +13,12 @@
                                       3. retire rows that hit a stop token or max_new_tokens,
                                          compact the slots, return every request whose rows
                                          are all done.
+
+Sessions (multi-turn, scheduler.py): a finished session row's K/V stays parked in its
+slot with the ids it holds; `drop_sessions` frees them when the trajectory ends, and any
+weight change, sleep or abort drops them all (cached K/V is the old policy's). A request
+whose prompt does not extend its session's cached ids drops the session and prefills in
+full: reuse is an optimisation that can never change what is computed.
 
 Not thread-safe: one thread drives it (frontend.AsyncEngine's). Between steps the caller
 may `release()` / `allocate()` the cache (sleep / wake) and `refresh_graphs()` after the
@@ -25,6 +33,7 @@ read, never written.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,9 +48,10 @@ from hybridflow.stages.rollout.native.graphs import (
 )
 from hybridflow.stages.rollout.native.kv_cache import SlotCache, round_up
 from hybridflow.stages.rollout.native.model import NativeModel
+from hybridflow.stages.rollout.native.prefill import prompt_logits
 from hybridflow.stages.rollout.native.request import Request, RequestOutput
 from hybridflow.stages.rollout.native.sampler import row_uniform, sample, split_seed
-from hybridflow.stages.rollout.native.scheduler import Scheduler
+from hybridflow.stages.rollout.native.scheduler import Moves, Scheduler
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,7 @@ class EngineConfig:
     max_prefill_tokens: int = 8192  # unique prompts x longest prompt per prefill batch
     max_stop_ids: int = 8  # stop ids per request (a static buffer width)
     autocast_bf16: bool = False  # run the float32 model under bf16 autocast
+    keep_sessions: bool = True  # park a session's K/V between its requests (False: re-prefill)
 
 
 @dataclass
@@ -64,6 +75,7 @@ class _Live:
     request: Request
     tokens: list[torch.Tensor | None] = field(default_factory=list)  # per row [len]
     logprobs: list[torch.Tensor | None] = field(default_factory=list)
+    reused: int = 0  # prompt positions its session's parked K/V held
 
 
 class NativeEngine:
@@ -105,6 +117,7 @@ class NativeEngine:
                 self.device,
             )
         self._live: dict[int, _Live] = {}
+        self.sessions: dict[Hashable, torch.Tensor] = {}  # parked: the ids its K/V holds
         self._ids = itertools.count()
         self._truncating = 0  # live rows that need the top-k/top-p sampling path
         self._tick = 0  # decode steps so far (the scheduler's clock for attended lengths)
@@ -115,6 +128,9 @@ class NativeEngine:
             "prefill_rows": 0,
             "capture_s": 0.0,
             "attended_positions": 0,  # sum over steps of rows x length bucket read
+            "prefill_tokens": 0,  # prompt positions computed by prefills
+            "reused_tokens": 0,  # prompt positions a session's parked K/V already held
+            "session_evictions": 0,  # parked sessions dropped for want of a slot
         }
         self.allocate()
 
@@ -137,6 +153,7 @@ class NativeEngine:
         """Free the cache and graphs (sleep); returns the bytes the cache held."""
         self._require_idle("release the KV cache")
         held = self.cache.nbytes if self.cache.allocated else 0
+        self.drop_all_sessions()
         if self.graphs is not None:
             self.graphs.clear()
         self.cache.release()
@@ -170,8 +187,39 @@ class NativeEngine:
         """Drop every request (after a failed step); returns their ids."""
         ids = self.scheduler.abort_all()
         self._live.clear()
+        self.sessions.clear()
         self._truncating = 0
         return ids
+
+    # -- sessions ------------------------------------------------------------------------
+    def drop_sessions(self, sessions: Sequence[Hashable]) -> None:
+        """Free the parked K/V of `sessions` (their trajectories ended). Safe between any
+        two steps, with requests in flight."""
+        self._apply(self.scheduler.drop(sessions))
+        for key in sessions:
+            self.sessions.pop(key, None)
+
+    def drop_all_sessions(self) -> None:
+        """Before the weights change or the cache goes: cached K/V is the old policy's."""
+        self.drop_sessions(list(self.sessions))
+
+    def _apply(self, moves: list[Moves]) -> None:
+        for group in moves:
+            if group:
+                src, dst = zip(*group, strict=True)
+                self.cache.move(list(src), list(dst))
+
+    def _check_session(self, request: Request, where: str) -> None:
+        """A session's request: one row; its parked K/V is kept only if this prompt
+        extends the ids it holds (else it is dropped: a full prefill)."""
+        if request.rows != 1:
+            raise BatchError(f"{where}: a session's request has one prompt and n = 1")
+        held = self.sessions.get(request.session)
+        if held is None:
+            return
+        prompt = request.prompts[0]
+        if prompt.numel() <= held.numel() or not torch.equal(prompt[: held.numel()], held):
+            self.drop_sessions([request.session])
 
     def memory_stats(self) -> dict[str, float]:
         out = {
@@ -210,15 +258,18 @@ class NativeEngine:
                 )
             if int(ids.min()) < 0 or int(ids.max()) >= self.model.vocab:
                 raise BatchError(f"{where}: prompt {i} has ids outside [0, {self.model.vocab})")
+        session = request.session if self.config.keep_sessions else None
+        if session is not None:
+            self._check_session(request, where)
         rid = next(self._ids)
         self._live[rid] = _Live(request, [None] * request.rows, [None] * request.rows)
-        self.scheduler.add(rid, [int(x.numel()) for x in request.prompts], p.n)
+        self.scheduler.add(rid, [int(x.numel()) for x in request.prompts], p.n, session)
         return rid
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        if self.scheduler.pending and self.scheduler.free:
+        if self.scheduler.pending and (self.scheduler.free or self.scheduler.parked):
             outputs += self._prefill()
         b = self.scheduler.active
         if b == 0:
@@ -255,20 +306,23 @@ class NativeEngine:
 
     def _prefill(self) -> list[RequestOutput]:
         adm = self.scheduler.admit(self.config.max_prefill_tokens, self._tick)
+        self._apply(adm.moves)  # evictions and parked K/V into running slots, in order
+        for key in adm.evicted:
+            del self.sessions[key]
+        self.stats["session_evictions"] += len(adm.evicted)
         if not adm.rows:
             return []
         c, dev = self.cache, self.device
         prompts = [self._live[rid].request.prompts[p] for rid, p in adm.prompts]
         lengths = torch.tensor([x.numel() for x in prompts], dtype=torch.int64)  # [U]
-        tokens = torch.zeros(len(prompts), adm.width, dtype=torch.int64)  # [U, P]
-        for i, x in enumerate(prompts):
-            tokens[i, : x.numel()] = x
         slots = torch.tensor(adm.slots, dtype=torch.int64, device=dev)  # [R]
         group = torch.tensor(adm.group, dtype=torch.int64)  # [R]
         c.init_rows(slots, (lengths - 1)[group].to(dev), self._row_params(adm.rows))
-        logits = self.model.prefill(
-            tokens.to(dev), lengths.to(dev), slots, group.to(dev), c.kv
-        )  # [U, V]
+        logits = prompt_logits(
+            self.model, c.kv, prompts, adm.cached, adm.slots, adm.group, self.stats
+        )
+        for (rid, _), cached in zip(adm.prompts, adm.cached, strict=True):
+            self._live[rid].reused += cached
         logits = logits[group.to(dev)]  # [R, V]
         truncating = sum(self._live[r.request_id].request.params.truncates for r in adm.rows)
         self._truncating += truncating
@@ -311,16 +365,25 @@ class NativeEngine:
         width = int(lengths.max())
         tokens = c.out_tok[idx, :width].cpu()  # [k, width]
         logprobs = c.out_lp[idx, :width].cpu()
-        fin = self.scheduler.finish(slots)
+        park: dict[int, int] = {}
+        for i, s in enumerate(slots):  # a session's K/V: the prompt + all but the last token
+            ref = self.scheduler.slots[s]
+            req = self._live[ref.request_id].request
+            if req.session is not None and self.config.keep_sessions:
+                held = torch.cat([req.prompts[0], tokens[i, : int(lengths[i]) - 1]])
+                self.sessions[req.session] = held
+                park[s] = held.numel()
+        fin = self.scheduler.finish(slots, park)
         for i, ref in enumerate(fin.rows):
             live = self._live[ref.request_id]
             n = int(lengths[i])
             live.tokens[ref.row] = tokens[i, :n]
             live.logprobs[ref.row] = logprobs[i, :n]
             self._truncating -= live.request.params.truncates
-        if fin.moves:
-            src, dst = zip(*fin.moves, strict=True)
-            c.move(list(src), list(dst))
+        self._apply([fin.moves])
+        if fin.parked:  # graph padding rows write at their slot's position: a scratch one
+            at = torch.tensor([s for _, s in fin.parked], dtype=torch.int64, device=self.device)
+            c.positions[at] = c.max_len - 1
         return [self._output(rid) for rid in fin.completed]
 
     def _output(self, rid: int) -> RequestOutput:
@@ -335,7 +398,7 @@ class NativeEngine:
         for i, (t, lp) in enumerate(zip(toks, lps, strict=True)):
             tokens[i, : t.numel()] = t
             logprobs[i, : lp.numel()] = lp
-        return RequestOutput(rid, tokens, logprobs, lengths)
+        return RequestOutput(rid, tokens, logprobs, lengths, live.reused)
 
 
 def check_config(config: EngineConfig, path: str) -> None:

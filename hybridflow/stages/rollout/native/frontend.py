@@ -4,7 +4,10 @@
       submit(req) -> Future ---- inbox ---->     add_request; step() while work remains;
       await generate(req) <--- set_result ---    a finished request resolves its future
       call(fn) -> result  ----- inbox ---->      fn(core) between steps, refused while any
-                                                 request is in flight (weights, sleep, wake)
+                                                 request is in flight (weights, sleep, wake);
+                                                 parked sessions are dropped first
+      drop_sessions(keys) ----- inbox ---->      free ended trajectories' parked K/V
+                                                 (between steps, requests in flight or not)
 
 The thread owns the device: every model, cache and graph operation runs on it, in inbox
 order, so callers need no locks. Submissions are only queued (no compute on the caller's
@@ -22,7 +25,7 @@ import concurrent.futures as cf
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -55,6 +58,10 @@ class AsyncEngine:
 
     async def generate(self, request: Request) -> RequestOutput:
         return await asyncio.wrap_future(self.submit(request))
+
+    def drop_sessions(self, sessions: Sequence[Hashable]) -> cf.Future[None]:
+        """Free the parked K/V of ended sessions (no need to wait for it)."""
+        return self._put("drop", list(sessions))
 
     def call(self, fn: Callable[[NativeEngine], T]) -> T:
         """Run `fn(core)` on the engine thread between steps; BatchError if requests are
@@ -97,6 +104,8 @@ class AsyncEngine:
             for kind, item, fut in inbox:
                 if kind == "request":
                     self._add(item, fut)
+                elif kind == "drop":
+                    self._drop(item, fut)
                 else:
                     self._call(item, fut)
             if self.core.has_work():
@@ -113,6 +122,15 @@ class AsyncEngine:
             return
         self._futures[rid] = fut
 
+    def _drop(self, sessions: list[Hashable], fut: cf.Future[Any]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            self.core.drop_sessions(sessions)
+            fut.set_result(None)
+        except BaseException as exc:
+            fut.set_exception(exc)
+
     def _call(self, fn: Callable[[NativeEngine], Any], fut: cf.Future[Any]) -> None:
         if not fut.set_running_or_notify_cancel():
             return
@@ -122,6 +140,8 @@ class AsyncEngine:
                     f"native engine: {self.core.in_flight()} request(s) in flight; weight "
                     "updates, sleep and wake-up run between rollout phases only"
                 )
+            # Parked K/V was computed by the weights `fn` may be about to change.
+            self.core.drop_all_sessions()
             fut.set_result(fn(self.core))
         except BaseException as exc:
             fut.set_exception(exc)

@@ -11,6 +11,10 @@ into its slot at its position.
 
   prefill  tokens [U, P] right-padded, lengths [U]; rows [R] read prompt group[r] and own
            slot slots[r] (n samples of one prompt share its prefill)      -> logits [U, V]
+  extend   tokens [U, A] right-padded, lengths [U], starts [U], slots [U]: continue
+           sequences whose slots already hold K/V at positions < starts (a multi-turn
+           trajectory's earlier turns): the new tokens sit at starts .. starts+len-1 and
+           attend to everything before them                               -> logits [U, V]
   decode   tokens [B], positions [B]; row b owns slot b (the scheduler keeps rows dense)
                                                                           -> logits [B, V]
 
@@ -156,6 +160,54 @@ class NativeModel:
                     enable_gqa=True,
                 )  # [U, Hq, P, D]
                 x = x + attn.o_proj(o.transpose(1, 2).reshape(u, p, -1))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            last = x[torch.arange(u, device=x.device), lengths - 1]  # [U, H]
+            return self.lm_head(self.norm(last)).float()
+
+    def extend(
+        self,
+        tokens: torch.Tensor,  # [U, A] int64, right-padded new tokens
+        lengths: torch.Tensor,  # [U] int64, >= 1 new tokens per sequence
+        starts: torch.Tensor,  # [U] int64, positions already in each slot (>= 1)
+        slots: torch.Tensor,  # [U] int64, one slot per sequence
+        kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D]
+    ) -> torch.Tensor:
+        """Prefill new tokens on top of a slot's cached positions -> logits [U, V] of each
+        sequence's last new token. Only real tokens are written to the cache; a padded
+        query attends to the cache like the last real one and its output is not read."""
+        u, a = tokens.shape
+        steps = self.cols[:a]
+        pos = starts[:, None] + steps[None, :]  # [U, A]
+        real = steps[None, :] < lengths[:, None]  # [U, A]
+        n = int((starts + lengths).max())  # positions any query attends to
+        wpos = pos[real]  # [N] the real tokens' positions ...
+        wslot = slots[:, None].expand(u, a)[real]  # [N] ... and slots
+        safe = torch.minimum(pos, (starts + lengths - 1)[:, None])  # padded -> the last real
+        cos, sin = self.cos[safe][:, :, None, :], self.sin[safe][:, :, None, :]  # [U,A,1,D]
+        # query j of sequence u sees cached position c iff c <= starts[u] + j
+        mask = (self.cols[None, None, :n] <= safe[:, :, None])[:, None]  # [U, 1, A, n]
+        with self._ctx():
+            x = self.embed(tokens)  # [U, A, H]
+            for i, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                q = attn.q_proj(h).view(u, a, self.num_heads, self.head_dim)
+                k = attn.k_proj(h).view(u, a, self.num_kv_heads, self.head_dim)
+                q, k = self._qk_norm(i, q, k)
+                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                v = attn.v_proj(h).view(u, a, self.num_kv_heads, self.head_dim)
+                kv[i, 0][wslot, :, wpos] = k[real].to(self.dtype)  # [N, Hkv, D]
+                kv[i, 1][wslot, :, wpos] = v[real].to(self.dtype)
+                kc, vc = kv[i, 0][slots, :, :n], kv[i, 1][slots, :, :n]  # [U, Hkv, n, D]
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2).to(self.dtype),
+                    kc,
+                    vc,
+                    attn_mask=mask,
+                    scale=attn.scaling,
+                    enable_gqa=True,
+                )  # [U, Hq, A, D]
+                x = x + attn.o_proj(o.transpose(1, 2).reshape(u, a, -1))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             last = x[torch.arange(u, device=x.device), lengths - 1]  # [U, H]
             return self.lm_head(self.norm(last)).float()

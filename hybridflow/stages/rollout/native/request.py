@@ -1,7 +1,10 @@
 """What goes into and comes out of the native engine: one request = one micro-batch.
 
   Request        prompts: list of [P_i] int64 token ids (no padding), each sampled n times
-                 (row i*n+j = sample j of prompt i); SamplingParams; a seed
+                 (row i*n+j = sample j of prompt i); SamplingParams; a seed; optionally a
+                 `session` (one prompt, n = 1): the engine keeps the row's K/V after it
+                 ends, and the session's next request, whose prompt extends this one's
+                 prompt + output, prefills only what is new (multi-turn turns)
   RequestOutput  tokens [R, T] int64 (0 after each row's end), logprobs [R, T] float32 (0
                  there), lengths [R] int64, R = len(prompts) * n, T = longest row
 
@@ -11,6 +14,7 @@ alone (sampler.py says how), never of what else the engine runs at the same time
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +52,7 @@ class Request:
     prompts: list[torch.Tensor]  # each [P_i] int64, P_i >= 1
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
+    session: Hashable = None  # keep this row's K/V for the session's next request
 
     @property
     def rows(self) -> int:
@@ -60,3 +65,4 @@ class RequestOutput:
     tokens: torch.Tensor  # [R, T] int64
     logprobs: torch.Tensor  # [R, T] float32
     lengths: torch.Tensor  # [R] int64
+    reused_tokens: int = 0  # prompt positions taken from the session's parked K/V

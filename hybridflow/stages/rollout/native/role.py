@@ -8,6 +8,12 @@ Ops (declared with stages/contract.py's `@op`; `RoleBase.handle` runs them synch
                 response_ids, response_mask, rollout_logprobs [B*n, ...], group_index [B*n].
                 Several calls may be in flight at once: their rows share decode steps
                 (continuous batching), and each returns as soon as its own rows are done.
+                With `env` (multi-turn, rollout/multiturn.py): one trajectory per row, run
+                continuously (each trajectory's next turn joins the running decode batch
+                when its environment step returns); each turn is a session request, so
+                the engine prefills only the turn's new tokens on top of the trajectory's
+                parked K/V. A whole trajectory must fit one slot (max_prompt_len +
+                max_new_tokens positions). + env_reward [B*n], num_turns [B*n].
   load_weights  step op: one streamed bucket {name: tensor}; params {"last", "version"}
   sleep         step op: frees the KV cache and CUDA graphs (`release_cache_on_sleep`)
   wake_up       step op: re-allocates them (and re-captures the graphs)
@@ -25,20 +31,30 @@ phases); all device work runs on the engine's thread; outputs are CPU tensors.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
-from hybridflow.stages.common import build_model, options_path, require
+from hybridflow.stages.common import build_model, mix_seed, options_path, require
 from hybridflow.stages.contract import RoleBase, Scope, op
+from hybridflow.stages.rollout.multiturn import (
+    TrajectoryLoop,
+    TurnOutput,
+    TurnRequest,
+    trajectory_loop,
+    trajectory_records,
+)
 from hybridflow.stages.rollout.native import limits
 from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
-from hybridflow.stages.rollout.native.frontend import AsyncEngine
+from hybridflow.stages.rollout.native.frontend import AsyncEngine, EngineClosedError
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
 from hybridflow.stages.rollout.native.weights import WeightReceiver
 from hybridflow.stages.rollout.state import (
@@ -70,6 +86,8 @@ class NativeRolloutOptions(HFRolloutOptions):
     max_prefill_tokens: int = 8192  # prompts x longest prompt per prefill batch
     release_cache_on_sleep: bool = True  # sleep frees the KV cache (colocated training)
     alias_weights: bool = False  # share the actor's tensors when dtype/device match
+    # multi-turn: keep a trajectory's K/V between its turns (False: re-prefill each turn)
+    reuse_kv: bool = True
 
     def validate(self, path: str) -> None:
         HFRolloutOptions.validate(self, path)
@@ -101,6 +119,7 @@ class NativeRollout(RolloutState, RoleBase):
 
     backend_name = "native"
     options_cls = NativeRolloutOptions
+    runs_environments = True
 
     def __init__(self) -> None:
         self.opts: NativeRolloutOptions | None = None
@@ -109,6 +128,8 @@ class NativeRollout(RolloutState, RoleBase):
         self.calls = 0
         self.policy_version: int | None = None
         self._active = 0  # generate calls in flight (all on the stage's event loop)
+        self.loop: TrajectoryLoop | None = None
+        self._calls = itertools.count()  # one per multi-turn call: its sessions' namespace
 
     # -- lifecycle -----------------------------------------------------------------------
     def setup(self, ctx: StageContext) -> None:
@@ -143,11 +164,13 @@ class NativeRollout(RolloutState, RoleBase):
             max_prefill_tokens=opts.max_prefill_tokens,
             max_stop_ids=max(1, len(self.eos_ids)),
             autocast_bf16=opts.autocast_bf16,
+            keep_sessions=opts.reuse_kv,
         )
         self.engine = AsyncEngine(NativeEngine(model, config, path=path))
         self.weights = WeightReceiver(
             dict(model.named_parameters(remove_duplicate=False)), alias=opts.alias_weights
         )
+        self.loop = trajectory_loop(ctx, opts, self.tokenizer, self.eos_ids, max_len)
 
     def close(self) -> None:
         if self.engine is not None:
@@ -185,6 +208,8 @@ class NativeRollout(RolloutState, RoleBase):
             n=opts.n,
             stop_token_ids=tuple(self.eos_ids) if opts.stop_on_eos else (),
         )
+        if self.loop is not None:
+            return await self._generate_trajectories(batch, prompts, m, sampling, seed, opts.n)
         t0 = time.perf_counter()
         # Calls of this op run side by side on the stage's event loop (one thread), so a
         # plain counter says how many micro-batches shared the engine with this one.
@@ -211,6 +236,39 @@ class NativeRollout(RolloutState, RoleBase):
         if self.device.type == "cuda":  # the process's peak (colocated actor included)
             metrics["rollout/peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / GIB
         return result, metrics
+
+    async def _generate_trajectories(
+        self,
+        batch: Batch,
+        prompts: list[torch.Tensor],  # B prompts, each [P_i]
+        mask: torch.Tensor,  # [B, P]
+        sampling: SamplingParams,
+        seed: int,
+        n: int,
+    ) -> tuple[Batch, Metrics]:
+        """`generate` with an environment: one trajectory per row (module docstring)."""
+        assert self.loop is not None and self.engine is not None
+        records = trajectory_records(batch, n, "native rollout generate")
+        rows = [p.tolist() for p in prompts for _ in range(n)]  # row i*n+j: prompt i
+        turns = _NativeTurns(self.engine, replace(sampling, n=1), seed, next(self._calls))
+        t0 = time.perf_counter()
+        self._active += 1
+        try:
+            result = await self.loop.run(turns, rows, records, sampling.max_new_tokens)
+        finally:
+            self._active -= 1
+        wall_s = time.perf_counter() - t0
+        out = result.tensors(self.pad_id)
+        out.setdefault("prompt_ids", batch["prompt_ids"].repeat_interleave(n, dim=0))
+        out.setdefault("prompt_mask", mask.repeat_interleave(n, dim=0))
+        out["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)  # [B*n]
+        tokens = int(out["response_mask"].sum())  # model tokens (observations excluded)
+        # The loop's wall time is the rollout's: engine and environments overlap in it.
+        metrics = self._generate_metrics(wall_s, tokens, len(rows))
+        context = result.metrics["rollout/context_tokens"]
+        metrics["rollout/reused_tokens"] = float(turns.reused)
+        metrics["rollout/prefill_saved_frac"] = turns.reused / context if context else 0.0
+        return out, {**metrics, **result.metrics}
 
     @op(scope=Scope.STEP, params=LOAD_WEIGHTS_PARAMS)
     def load_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
@@ -278,3 +336,45 @@ class NativeRollout(RolloutState, RoleBase):
         if version is not None:
             self.policy_version = int(version)
         return metrics
+
+
+class _NativeTurns:
+    """The native engine as the trajectory loop's turn engine (multiturn.TurnEngine):
+    continuous (each request is its own engine request, seeded by (call seed, row,
+    turn), batched with whatever else runs), and each trajectory a session, so the engine
+    keeps its K/V between turns and `end` frees it."""
+
+    continuous = True
+
+    def __init__(self, engine: AsyncEngine, sampling: SamplingParams, seed: int, call: int):
+        self.engine, self.sampling, self.seed, self.call = engine, sampling, seed, call
+        self.stop = set(sampling.stop_token_ids)
+        self.reused = 0  # context positions the engine took from parked K/V
+
+    async def generate(self, requests: Sequence[TurnRequest], turn: int) -> list[TurnOutput]:
+        outs = await asyncio.gather(
+            *(
+                self.engine.generate(
+                    Request(
+                        [torch.tensor(q.context_ids, dtype=torch.int64)],
+                        replace(self.sampling, max_new_tokens=q.max_new_tokens),
+                        seed=mix_seed(self.seed, "turn", q.key, turn),
+                        session=(self.call, q.key),
+                    )
+                )
+                for q in requests
+            )
+        )
+        result = []
+        for o in outs:
+            k = int(o.lengths[0])
+            ids = o.tokens[0, :k].tolist()
+            result.append(
+                TurnOutput(ids, o.logprobs[0, :k].tolist(), bool(ids) and ids[-1] in self.stop)
+            )
+            self.reused += o.reused_tokens
+        return result
+
+    def end(self, keys: Sequence[int]) -> None:
+        with contextlib.suppress(EngineClosedError):  # closing: it frees everything itself
+            self.engine.drop_sessions([(self.call, k) for k in keys])

@@ -3,9 +3,19 @@ which KV-cache slot. Pure Python, no torch, no I/O: the engine asks it what to d
 moves the tensors itself.
 
 Consumes: `add` (a request's rows and prompt lengths), `admit` (free slots -> rows to
-prefill now), `finish` (slots whose row stopped). Produces: slot assignments for admitted
-rows, the slot moves that keep the running batch dense, the requests that completed, and
-`attended(tick)`: how many cache positions a decode step must read, without a device sync.
+prefill now), `finish` (slots whose row stopped), `drop` (sessions that ended). Produces:
+slot assignments for admitted rows, the slot moves that keep the running batch dense, the
+requests that completed, and `attended(tick)`: how many cache positions a decode step must
+read, without a device sync.
+
+Sessions (multi-turn): a one-row request may name a `session`. When its row finishes, the
+slot is not freed but PARKED with its K/V (`valid` cached positions); the session's next
+request is admitted on top of them (`Admission.cached`: positions it need not prefill)
+instead of re-prefilling its history. Parked slots fill the top of the slot range
+(parked[j] sits in slot num_slots-1-j), running rows the bottom. A row that needs a slot
+when none is free evicts the least recently parked session (its next request then
+prefills in full). Slot moves are applied with gather-then-scatter semantics (every move
+of one list reads the state before any of them writes: SlotCache.move).
 
 Invariants (tests replay random finish orders against them):
   - the running rows occupy slots 0 .. active-1, no holes: a decode step reads the first
@@ -18,14 +28,18 @@ Invariants (tests replay random finish orders against them):
     its last row finishes;
   - `attended(tick)` >= 1 + the position every running row writes at in the decode step
     numbered `tick` (a row admitted at tick t0 with a prompt of P tokens writes at
-    P + tick - t0; a row that stopped early only makes the bound loose, never short).
+    P + tick - t0; a row that stopped early only makes the bound loose, never short);
+  - running rows, parked sessions and free slots never overlap: active + parked <= slots;
+    a session is running or parked or neither, never both.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+Moves = list[tuple[int, int]]  # (src slot, dst slot), applied all at once
 
 
 @dataclass(frozen=True)
@@ -43,14 +57,18 @@ class Admission:
     slots: list[int] = field(default_factory=list)  # slots[i] holds rows[i]
     prompts: list[tuple[int, int]] = field(default_factory=list)  # unique (request, prompt)
     group: list[int] = field(default_factory=list)  # rows[i] reads prompts[group[i]]
-    width: int = 0  # longest prompt among `prompts`
+    width: int = 0  # most positions any of `prompts` prefills (prompt - cached)
+    cached: list[int] = field(default_factory=list)  # per prompt: positions already in its slot
+    moves: list[Moves] = field(default_factory=list)  # apply in order, before the prefill
+    evicted: list[Hashable] = field(default_factory=list)  # sessions whose K/V is gone
 
 
 @dataclass
 class Finish:
     rows: list[RowRef] = field(default_factory=list)  # finished, in the order given
-    moves: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot)
+    moves: Moves = field(default_factory=list)  # survivors into holes, rows into parking
     completed: list[int] = field(default_factory=list)  # request ids with every row done
+    parked: list[tuple[Hashable, int]] = field(default_factory=list)  # (session, its slot)
 
 
 class Scheduler:
@@ -63,6 +81,10 @@ class Scheduler:
         self.pending: deque[RowRef] = deque()
         self._prompt_len: dict[tuple[int, int], int] = {}
         self._left: dict[int, int] = {}  # request id -> rows not finished yet
+        self.parked: list[Hashable] = []  # parked[j] is in slot num_slots - 1 - j
+        self._valid: OrderedDict[Hashable, int] = OrderedDict()  # parked, least recent first
+        self._session: dict[int, Hashable] = {}  # request id -> its session
+        self._running: set[Hashable] = set()  # sessions with a request added, not finished
 
     @property
     def active(self) -> int:
@@ -70,7 +92,14 @@ class Scheduler:
 
     @property
     def free(self) -> int:
-        return self.num_slots - len(self.slots)
+        return self.num_slots - len(self.slots) - len(self.parked)
+
+    def slot_of(self, session: Hashable) -> int:
+        return self.num_slots - 1 - self.parked.index(session)
+
+    def cached(self, session: Hashable) -> int:
+        """Positions of `session`'s K/V held in its parked slot (0: none)."""
+        return self._valid.get(session, 0)
 
     def has_work(self) -> bool:
         return bool(self.slots or self.pending)
@@ -78,11 +107,20 @@ class Scheduler:
     def requests(self) -> set[int]:
         return set(self._left)
 
-    def add(self, request_id: int, prompt_lens: Sequence[int], n: int) -> None:
+    def add(
+        self, request_id: int, prompt_lens: Sequence[int], n: int, session: Hashable = None
+    ) -> None:
         if request_id in self._left:
             raise ValueError(f"request {request_id} was already added")
         if not prompt_lens or n < 1:
             raise ValueError("a request needs >= 1 prompt and n >= 1")
+        if session is not None:
+            if len(prompt_lens) * n != 1:
+                raise ValueError("a session's request has exactly one row")
+            if session in self._running:
+                raise ValueError(f"session {session!r} already has a request in flight")
+            self._running.add(session)
+            self._session[request_id] = session
         for p, length in enumerate(prompt_lens):
             self._prompt_len[(request_id, p)] = int(length)
             for j in range(n):
@@ -91,26 +129,60 @@ class Scheduler:
 
     def admit(self, max_prefill_tokens: int, tick: int = 0) -> Admission:
         """Move pending rows into free slots (FIFO) within the prefill budget; `tick` is
-        the number of the decode step that follows this prefill."""
+        the number of the decode step that follows this prefill. A continued session
+        takes its parked slot's place (no free slot needed); any other row evicts the
+        least recently parked session when no slot is free."""
         adm = Admission()
         index: dict[tuple[int, int], int] = {}
-        while self.pending and self.free > 0:
+        while self.pending:
             ref = self.pending[0]
             key = (ref.request_id, ref.prompt)
+            session = self._session.get(ref.request_id)
+            cont = session is not None and session in self._valid
+            if not cont and self.free == 0:
+                if not self.parked:
+                    break
+                victim = next(iter(self._valid))
+                adm.moves.append(self._unpark(victim))
+                adm.evicted.append(victim)
+                continue
             if key not in index:
-                width = max(adm.width, self._prompt_len[key])
+                length = self._prompt_len[key]
+                cached = min(self._valid[session], length - 1) if cont else 0
+                width = max(adm.width, length - cached)
                 if adm.prompts and (len(adm.prompts) + 1) * width > max_prefill_tokens:
                     break
                 index[key] = len(adm.prompts)
                 adm.prompts.append(key)
+                adm.cached.append(cached)
                 adm.width = width
             self.pending.popleft()
+            if cont:  # its K/V moves from the parking into the next running slot
+                adm.moves.append(self._unpark(session, to=len(self.slots)))
             adm.rows.append(ref)
             adm.group.append(index[key])
             adm.slots.append(len(self.slots))
             self.slots.append(ref)
             self.offsets.append(self._prompt_len[key] - tick)
         return adm
+
+    def _unpark(self, session: Hashable, to: int | None = None) -> Moves:
+        """Take `session` out of the parking (the bottom parked slot fills its place);
+        with `to`, its K/V moves to running slot `to` -> the moves (one list)."""
+        j = self.parked.index(session)
+        slot, bottom = self.num_slots - 1 - j, self.num_slots - len(self.parked)
+        moves = [] if to is None or to == slot else [(slot, to)]
+        if bottom != slot:
+            moves.append((bottom, slot))
+            self.parked[j] = self.parked[-1]
+        self.parked.pop()
+        del self._valid[session]
+        return moves
+
+    def drop(self, sessions: Sequence[Hashable]) -> list[Moves]:
+        """Forget parked `sessions` (ended trajectories; unknown ones are ignored) ->
+        move lists to apply in order."""
+        return [self._unpark(s) for s in sessions if s in self._valid]
 
     def attended(self, tick: int) -> int:
         """Cache positions decode step `tick` reads (0..P+tick-t0 for every row; see the
@@ -120,17 +192,31 @@ class Scheduler:
     def prompt_len(self, request_id: int, prompt: int) -> int:
         return self._prompt_len[(request_id, prompt)]
 
-    def finish(self, slots: Sequence[int]) -> Finish:
-        """Retire the rows in `slots`; fill the holes below the new top with rows above it."""
+    def finish(self, slots: Sequence[int], park: Mapping[int, int] | None = None) -> Finish:
+        """Retire the rows in `slots`; fill the holes below the new top with rows above it.
+        A finished row of a session request whose slot is in `park` ({slot: positions
+        of valid K/V}) is parked instead of freed."""
         done = set(slots)
         if len(done) != len(slots) or any(not 0 <= s < self.active for s in done):
             raise ValueError(f"bad finished slots {list(slots)} (active {self.active})")
+        park = park or {}
         out = Finish(rows=[self.slots[s] for s in slots])
         top = self.active - len(done)
         holes = sorted(s for s in done if s < top)
         movers = [s for s in range(top, self.active) if s not in done]
         out.moves = list(zip(movers, holes, strict=True))
-        for src, dst in out.moves:
+        for s in slots:  # park below the parked ones (dsts >= top: no survivor sits there)
+            session = self._session.get(self.slots[s].request_id)
+            if session is None:
+                continue
+            self._running.discard(session)
+            if s in park:
+                dst = self.num_slots - 1 - len(self.parked)
+                self.parked.append(session)
+                self._valid[session] = int(park[s])
+                out.moves.append((s, dst))
+                out.parked.append((session, dst))
+        for src, dst in out.moves[: len(holes)]:
             self.slots[dst] = self.slots[src]
             self.offsets[dst] = self.offsets[src]
         del self.slots[top:]
@@ -141,16 +227,22 @@ class Scheduler:
                 out.completed.append(ref.request_id)
         for rid in out.completed:
             del self._left[rid]
+            self._session.pop(rid, None)
             for key in [k for k in self._prompt_len if k[0] == rid]:
                 del self._prompt_len[key]
         return out
 
     def abort_all(self) -> list[int]:
-        """Forget every request (after a failed step); returns their ids."""
+        """Forget every request and parked session (after a failed step, or before the
+        weights change: cached K/V is the old policy's); returns the request ids."""
         ids = sorted(self._left)
         self.slots.clear()
         self.offsets.clear()
         self.pending.clear()
         self._left.clear()
         self._prompt_len.clear()
+        self.parked.clear()
+        self._valid.clear()
+        self._session.clear()
+        self._running.clear()
         return ids
