@@ -39,6 +39,7 @@ __all__ = ["BUILTIN_ENVS", "EnvConfig", "env_target", "make_env_factory"]
 _BUILTIN = "hybridflow.stages.env.builtin"
 BUILTIN_ENVS: dict[str, str] = {
     "calculator": f"{_BUILTIN}.calculator:CalculatorEnv",
+    "fixed_turns": f"{_BUILTIN}.fixed_turns:FixedTurnsEnv",
     "guess_number": f"{_BUILTIN}.guess_number:GuessNumberEnv",
     "python": f"{_BUILTIN}.python_exec:PythonEnv",
     "remote": "hybridflow.stages.env.service.client:RemoteEnv",
