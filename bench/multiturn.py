@@ -18,6 +18,9 @@ as a training step calls it. One untimed run of each warms up first. Printed (JS
   multi.prefill_saved_frac  context positions taken from parked K/V / all context positions
   multi.env_time_share      mean share of a trajectory's wall time spent in env calls
   no_reuse.*                the multi-turn run with reuse_kv: false (every turn re-prefills)
+  *.engine_busy_s           seconds inside engine steps (the rest of wall_s it was idle:
+                            waiting on environments or on the loop); engine_steps: decode
+                            steps; engine_prefill_tokens: positions prefilled
 """
 
 from __future__ import annotations
@@ -93,11 +96,17 @@ def batch(args: argparse.Namespace) -> dict[str, torch.Tensor]:
 
 def timed(r: NativeRollout, b: dict[str, torch.Tensor], step: int) -> dict[str, float]:
     r.handle("generate", b, {"step": -1 - step, "mb_id": 0})  # warm-up
+    assert r.engine is not None
+    before = r.engine.call(lambda core: dict(core.stats))
     t0 = time.perf_counter()
     out, metrics = r.handle("generate", b, {"step": step, "mb_id": 0})
     wall = time.perf_counter() - t0
+    after = r.engine.call(lambda core: dict(core.stats))
     tokens = int(out["response_mask"].sum())
     res = {"wall_s": wall, "model_tokens": tokens, "tokens_per_s": tokens / wall}
+    # engine_busy_s: inside the engine's steps; the rest of wall_s the engine had no work
+    for key in ("busy_s", "steps", "prefill_tokens", "prefill_rows"):
+        res[f"engine_{key}"] = after[key] - before[key]
     for key, name in (
         ("rollout/turns/mean", "turns"),
         ("rollout/prefill_saved_frac", "prefill_saved_frac"),

@@ -131,6 +131,7 @@ class NativeEngine:
             "prefill_tokens": 0,  # prompt positions computed by prefills
             "reused_tokens": 0,  # prompt positions a session's parked K/V already held
             "session_evictions": 0,  # parked sessions dropped for want of a slot
+            "busy_s": 0.0,  # seconds inside step() (AsyncEngine counts them)
         }
         self.allocate()
 

@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures as cf
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
@@ -147,8 +148,10 @@ class AsyncEngine:
             fut.set_exception(exc)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             outputs = self.core.step()
+            self.core.stats["busy_s"] += time.perf_counter() - t0
         except BaseException as exc:
             log.exception("native engine step failed; failing %d request(s)", len(self._futures))
             self.core.abort_all()
