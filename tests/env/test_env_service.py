@@ -17,7 +17,9 @@ from hybridflow.stages.env.service.client import _SHARED, RemoteEnv
 from hybridflow.stages.env.service.server import start_env_server
 
 PROTOCOLS = ["http", "zmq"]
-FAST = {"timeout_s": 0.3, "retries": 2, "backoff_s": 0.01}
+# Timeouts small enough to keep the lost-reply tests short, large enough that a loaded CI
+# machine answers a normal call within them (0.3 s was not: flaky at load 8).
+FAST = {"timeout_s": 1.0, "retries": 2, "backoff_s": 0.01}
 
 
 def remote(server, **options) -> RemoteEnv:
@@ -69,8 +71,9 @@ async def test_a_lost_reply_is_retried_and_the_step_is_applied_once(protocol):
         await env.reset({"turns": 2})
         r = await env.step(Action("first"))
         assert not r.done and r.observation.messages[0]["content"] == "ok 1"
-        assert core.seen["step 0"] == 2 and core.app.applied["step"] == 1
-        assert r.info["service_retries"] == 1
+        # the lost attempt and at least one retry; applied once whatever the retries
+        assert core.seen["step 0"] >= 2 and core.app.applied["step"] == 1
+        assert r.info["service_retries"] == core.seen["step 0"] - 1 >= 1
         r = await env.step(Action("second"))
         assert r.done and r.reward == 2.0 and r.info["echo"] == "second"
         await env.close()
@@ -82,7 +85,7 @@ async def test_a_lost_reply_is_retried_and_the_step_is_applied_once(protocol):
 async def test_a_slow_step_times_out_and_the_retry_gets_the_running_calls_reply(protocol):
     server, core = await serve_faulty(protocol, env_options={"delay_s": 0.5})
     try:
-        env = remote(server, timeout_s=0.2, retries=6)
+        env = remote(server, timeout_s=0.2, retries=30)  # retries: a loaded machine's slack
         await env.reset({"turns": 1})
         r = await env.step(Action("slow"))
         assert r.done and r.reward == 1.0
@@ -104,7 +107,7 @@ async def test_5xx_is_retried_then_named_after_the_last_retry(protocol):
             await env.step(Action("b"))
         text = str(exc.value)
         assert server.address in text and env.session_id in text and "step 1" in text
-        assert "3 attempts" in text and "env_options.timeout_s=0.3" in text
+        assert "3 attempts" in text and "env_options.timeout_s=1 s" in text
         assert "status 503: scripted overload" in text and exc.value.status == "503"
         assert core.seen["step 1"] == 3 and core.app.applied["step"] == 1
         await env.close()
