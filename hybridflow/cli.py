@@ -136,6 +136,12 @@ def _parser() -> argparse.ArgumentParser:
     es.add_argument(
         "--session-ttl-s", type=float, default=600.0, help="idle seconds before a session closes"
     )
+    es.add_argument(
+        "--parent-pid",
+        type=int,
+        default=0,
+        help="exit when this process dies (a rollout stage's env_process: true)",
+    )
 
     st = sub.add_parser(
         "status",

@@ -142,7 +142,9 @@ class HFRollout(RolloutState, RoleBase):
     def close(self) -> None:
         self.model = None
         self._params = {}
-        self.loop = None
+        if self.loop is not None:
+            self.loop.close()
+            self.loop = None
 
     # -- ops -----------------------------------------------------------------------------
     @op(name="load_weights", scope=Scope.STEP, params=LOAD_WEIGHTS_PARAMS)

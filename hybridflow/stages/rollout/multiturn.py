@@ -70,6 +70,7 @@ from hybridflow.stages.env.protocol import (
     StepResult,
 )
 from hybridflow.stages.env.registry import make_env_factory
+from hybridflow.stages.env.service.process import EnvProcess
 from hybridflow.stages.rollout.env_calls import bounded, close_all, env_call
 from hybridflow.stages.rollout.state import MULTI_TURN_OUTPUTS
 from hybridflow.stages.rollout.turns import (
@@ -134,12 +135,27 @@ class TrajectoryLoop:
             raise ConfigError(
                 key, f"{cfg.env} takes no `parser` option to pass it to ({exc})"
             ) from None
+        self.process: EnvProcess | None = None
+        if cfg.env_process:  # the options checked above; served by a child, reached as remote
+            self.process = EnvProcess.start(
+                cfg.env, options, call_timeout_s=cfg.env_timeout_s, path=path
+            )
+            # its own bound a little inside env_timeout_s: the service's error names it
+            t = 0.9 * cfg.env_timeout_s
+            remote = {"url": self.process.address, "timeout_s": t, "retries": 0}
+            self.factory = make_env_factory("remote", remote, path)
         self.tokenizer = tokenizer
         self.stop_ids = list(stop_token_ids)
         self.budget = min(
             cfg.max_total_tokens or float("inf"), position_limit or float("inf")
         )  # context tokens a trajectory may reach
         self._encoders: dict[str, ObservationEncoder] = {}
+
+    def close(self) -> None:
+        """Stop the environment process, if this loop started one."""
+        if self.process is not None:
+            self.process.close()
+            self.process = None
 
     # -- the loop --------------------------------------------------------------------------
     async def run(
@@ -150,6 +166,8 @@ class TrajectoryLoop:
         max_new_tokens: int,
     ) -> LoopResult:
         """Every row's trajectory to its end (module docstring)."""
+        if self.process is not None:
+            self.process.check()  # a dead child: named now (a call to it waits its timeout)
         if len(prompts) != len(records):
             raise BatchError(f"multi-turn: {len(prompts)} prompts but {len(records)} records")
         t_env = [0.0]  # seconds waited on environment calls

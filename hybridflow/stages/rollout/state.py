@@ -13,6 +13,8 @@ Multi-turn options (the trajectory loop, multiturn.py; ignored while `env` is ""
     env_timeout_s: 60            # bound of one reset / step / close call
     env_concurrency: 32          # environment calls in flight at once (per generate call)
     tool_parser: ""              # passed to the environment as its `parser` option; "": its own
+    env_process: false           # true: the environment runs in a process of its own, served
+                                 # to this stage over loopback ZeroMQ (env/service/process.py)
 
 A backend runs environments only when its class says so (`runs_environments`); the
 others refuse a generate call with `env` set instead of silently running one turn.
@@ -54,6 +56,7 @@ class HFRolloutOptions(ModelOptions):
     env_timeout_s: float = 60.0
     env_concurrency: int = 32
     tool_parser: str = ""
+    env_process: bool = False
 
     def validate(self, path: str) -> None:
         ModelOptions.validate(self, path)
@@ -88,6 +91,8 @@ class HFRolloutOptions(ModelOptions):
             raise bad("env_timeout_s", f"must be > 0 seconds, got {self.env_timeout_s}")
         if self.env_concurrency < 1:
             raise bad("env_concurrency", f"must be >= 1, got {self.env_concurrency}")
+        if self.env_process and self.env == "remote":
+            raise bad("env_process", "env remote is already served elsewhere: drop env_process")
         if self.tool_parser:
             get_parser(self.tool_parser, f"{path}.tool_parser" if path else "tool_parser")
             if "parser" in self.env_options:

@@ -95,6 +95,7 @@ class MultiTurnConfig:
     env_timeout_s: float
     env_concurrency: int
     tool_parser: str  # "": the environment's own
+    env_process: bool = False  # the environment in a process of its own (service/process.py)
 
     @classmethod
     def of(cls, opts: Any) -> MultiTurnConfig:
@@ -106,6 +107,7 @@ class MultiTurnConfig:
             env_timeout_s=opts.env_timeout_s,
             env_concurrency=opts.env_concurrency,
             tool_parser=opts.tool_parser,
+            env_process=opts.env_process,
         )
 
 

@@ -24,10 +24,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import inspect
 import json
 import logging
 import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -103,6 +108,24 @@ async def start_env_server(
     )
 
 
+def _die_with(parent: int) -> None:
+    """End this process when `parent` dies: PR_SET_PDEATHSIG on Linux (then check that the
+    parent did not die before it was armed), else a watcher thread polling getppid."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            raise SystemExit(f"env-serve: the parent {parent} is gone")
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="hybridflow-env-parent-watch", daemon=True).start()
+
+
 def cli_serve(args: argparse.Namespace) -> int:
     """`hybridflow env-serve ENV [--options JSON] [--protocol] [--host] [--port]
     [--call-timeout-s] [--max-sessions] [--session-ttl-s]` (the arguments: cli.py); the
@@ -122,6 +145,8 @@ def cli_serve(args: argparse.Namespace) -> int:
     if token is None and args.protocol == "http" and args.host not in ("127.0.0.1", "::1"):
         log.warning("serving on %s without a bearer token (set %s)", args.host, TOKEN_ENV)
     _factory(args.env, options)  # a bad class or option: a ConfigError now, not at the first call
+    if getattr(args, "parent_pid", 0):
+        _die_with(args.parent_pid)
 
     def start() -> Awaitable[RunningServer]:
         return start_env_server(

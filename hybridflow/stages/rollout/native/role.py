@@ -173,6 +173,9 @@ class NativeRollout(RolloutState, RoleBase):
         self.loop = trajectory_loop(ctx, opts, self.tokenizer, self.eos_ids, max_len)
 
     def close(self) -> None:
+        if self.loop is not None:
+            self.loop.close()
+            self.loop = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
