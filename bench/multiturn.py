@@ -52,6 +52,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--obs-tokens", type=int, default=4)
     ap.add_argument("--latency-ms", type=float, default=0.0)
     ap.add_argument("--kv-cache-gb", type=float, default=0.1)
+    ap.add_argument("--runs", default="single,multi,no_reuse", help="which runs, in order")
     return ap.parse_args(argv)
 
 
@@ -136,18 +137,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max_new_tokens": args.turn_tokens,
     }
     b = batch(args)
-    single = timed(role(args, max_new_tokens=args.turns * args.turn_tokens), b, 0)
-    multi = timed(role(args, **env), b, 1)
-    no_reuse = timed(role(args, **env, reuse_kv=False), b, 2)
-    result = {
-        "bench": "multiturn",
-        "settings": vars(args),
-        "single": single,
-        "multi": multi,
-        "no_reuse": no_reuse,
-        "ratio": multi["tokens_per_s"] / single["tokens_per_s"],
-        "ratio_no_reuse": no_reuse["tokens_per_s"] / single["tokens_per_s"],
+    runs = {
+        "single": lambda: role(args, max_new_tokens=args.turns * args.turn_tokens),
+        "multi": lambda: role(args, **env),
+        "no_reuse": lambda: role(args, **env, reuse_kv=False),
     }
+    result: dict[str, Any] = {"bench": "multiturn", "settings": vars(args)}
+    for i, name in enumerate(args.runs.split(",")):
+        result[name] = timed(runs[name](), b, i)
+    for name in ("multi", "no_reuse"):
+        if name in result and "single" in result:
+            ratio = result[name]["tokens_per_s"] / result["single"]["tokens_per_s"]
+            result["ratio" if name == "multi" else "ratio_no_reuse"] = ratio
     print(json.dumps(result))
     return result
 

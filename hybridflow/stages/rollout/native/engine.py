@@ -205,10 +205,16 @@ class NativeEngine:
         self.drop_sessions(list(self.sessions))
 
     def _apply(self, moves: list[Moves]) -> None:
+        """Apply move lists in order, composed into ONE gather/scatter (a continued turn's
+        admission makes one list per session: one copy each would cost a host-to-device
+        index copy and ~20 kernels per session)."""
+        origin: dict[int, int] = {}  # dst slot -> the slot its content comes from, at first
         for group in moves:
-            if group:
-                src, dst = zip(*group, strict=True)
-                self.cache.move(list(src), list(dst))
+            origin.update({dst: origin.get(src, src) for src, dst in group})
+        pairs = [(src, dst) for dst, src in origin.items() if src != dst]
+        if pairs:
+            src, dst = zip(*pairs, strict=True)
+            self.cache.move(list(src), list(dst))
 
     def _check_session(self, request: Request, where: str) -> None:
         """A session's request: one row; its parked K/V is kept only if this prompt
