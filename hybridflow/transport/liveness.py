@@ -274,3 +274,23 @@ class Heartbeater:
         while not self.channel.closed:
             self.beat()
             await asyncio.sleep(self.interval_s)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs on this host. A zombie counts as exited (it ran to
+    its end; nobody reaped it yet); someone else's live process counts as alive. Reads
+    /proc where there is one, else probes with signal 0."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no procfs
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True

@@ -47,6 +47,7 @@ from hybridflow.errors import BatchError, PeerDeadError, PipelineError, Transpor
 from hybridflow.pipeline.compiler.weight_links import Tier, identity
 from hybridflow.transport import auth
 from hybridflow.transport.channel import Channel
+from hybridflow.transport.liveness import pid_alive
 from hybridflow.transport.protocol import Hello, Weights
 
 log = logging.getLogger("hybridflow.weight_sync")
@@ -55,24 +56,6 @@ WINDOW = 2  # buckets sent and not yet acknowledged, per receiver: double buffer
 DEFAULT_TIMEOUT_S = 300.0
 Metrics = dict[str, float]
 Bucket = dict[str, torch.Tensor]
-
-
-def _pid_alive(pid: int) -> bool:
-    """False once `pid` exited (a zombie counts as exited: nobody reaped it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no procfs: fall back to a signal-0 probe
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 class WeightSender:
@@ -285,7 +268,7 @@ class WeightSender:
             if cond():
                 return
             for peer, pid in self.pids.items():
-                if not _pid_alive(pid):
+                if not pid_alive(pid):
                     self.chan.forget_peer(peer, pid)
                     raise PeerDeadError(
                         f"{self.name}: receiver {peer.decode()} (pid {pid}) died during the "

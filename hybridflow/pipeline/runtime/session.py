@@ -75,6 +75,7 @@ from hybridflow.pipeline.runtime.peers import StagePeer
 from hybridflow.pipeline.sources.registry import DataSource, create_source
 from hybridflow.transport import aio, auth, curve, shm
 from hybridflow.transport.channel import Channel
+from hybridflow.transport.liveness import pid_alive
 
 log = logging.getLogger("hybridflow.session")
 
@@ -480,7 +481,7 @@ def sweep_stale_ipc_dirs(base: str | None = None) -> list[str]:
         return removed
     for entry in entries:
         m = _IPC_DIR_NAME.match(entry)
-        if m is None or _pid_running(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         path = os.path.join(base, entry)
         try:
@@ -492,16 +493,6 @@ def sweep_stale_ipc_dirs(base: str | None = None) -> list[str]:
             removed.append(path)
             log.info("removed stale ipc directory %s (pid %s is gone)", path, m.group(1))
     return removed
-
-
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
 
 
 def _no_running_loop() -> bool:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridflow.errors import ConfigError
+from hybridflow.transport.liveness import pid_alive
 
 LOCK_FILE = "hybridflow.lock"
 
@@ -70,19 +71,9 @@ class Holder:
         process start time must match the one recorded."""
         if self.host != socket.gethostname():
             return None
-        if not _pid_exists(self.pid):
+        if not pid_alive(self.pid):
             return False
         return not self.proc_start or _proc_start(self.pid) == self.proc_start
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _proc_start(pid: int) -> str:
