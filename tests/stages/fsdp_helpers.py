@@ -5,11 +5,13 @@
 rows of every micro-batch (the scheduler's `shard_rows`), for `steps` optimizer steps;
 rank 0 writes the full weights and every step's metrics to `out` (safetensors + JSON).
 Checkpoints go through the role's `save_shards` / `load_shards`, as the store does.
+`run_jobs` runs several such jobs on one spawn of the ranks (a spawn costs seconds).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,51 +46,89 @@ def full_weights(role: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in role.named_full_weights()}
 
 
-def _rank_main(
-    rank: int,
-    world: int,
-    init_method: str,
-    kind: str,
-    options: dict[str, Any],
-    micro_batches: list[dict[str, torch.Tensor]],
-    steps: int,
-    out: str,
-    load_from: str,
-    save_to: str,
-    cuda: bool,
-) -> None:
-    torch.set_num_threads(1)
+@dataclass(frozen=True)
+class Job:
+    """One role set up on every rank and driven for `steps` optimizer steps; its results
+    land in `out` (see `run_jobs`)."""
+
+    kind: str
+    options: dict[str, Any]
+    micro_batches: list[dict[str, torch.Tensor]]
+    steps: int
+    out: Path
+    load_from: Path | None = None
+    save_to: Path | None = None
+
+
+def _run_job(rank: int, world: int, init_method: str, job: Job, cuda: bool) -> None:
     role = make_role(
-        ROLES[kind],
-        kind,
-        options,
+        ROLES[job.kind],
+        job.kind,
+        job.options,
         device=torch.device("cuda", rank) if cuda else torch.device("cpu"),
         replica=rank,
-        world={"role": kind, "rank": rank, "world_size": world, "init_method": init_method},
+        world={"role": job.kind, "rank": rank, "world_size": world, "init_method": init_method},
     )
-    if load_from:
-        state = json.loads((Path(load_from) / "state.json").read_text())
-        role.load_shards(Path(load_from) / "shards", state["extra"])
-    if kind == "reference":  # frozen: its sharded forward only, each rank's share
+    if job.load_from:
+        state = json.loads((job.load_from / "state.json").read_text())
+        role.load_shards(job.load_from / "shards", state["extra"])
+    if job.kind == "reference":  # frozen: its sharded forward only, each rank's share
         outs = [
-            role.handle("get_logprob", shard_rows(mb, world, rank), {})[0] for mb in micro_batches
+            role.handle("get_logprob", shard_rows(mb, world, rank), {})[0]
+            for mb in job.micro_batches
         ]
         save_file(
             {f"mb{i}": o["ref_logprobs"] for i, o in enumerate(outs)},
-            str(Path(out) / f"ref{rank}.safetensors"),
+            str(job.out / f"ref{rank}.safetensors"),
         )
-    metrics = train(role, micro_batches, steps, world, rank)
-    if save_to:
-        extra = role.save_shards(Path(save_to) / "shards")
+    metrics = train(role, job.micro_batches, job.steps, world, rank)
+    if job.save_to:
+        extra = role.save_shards(job.save_to / "shards")
         if rank == 0:
-            (Path(save_to) / "state.json").write_text(json.dumps({"extra": extra}))
+            (job.save_to / "state.json").write_text(json.dumps({"extra": extra}))
     weights = full_weights(role)  # collective: every rank gathers
     if rank == 0:
-        save_file(weights, str(Path(out) / "weights.safetensors"))
-        (Path(out) / "metrics.json").write_text(json.dumps(metrics))
+        save_file(weights, str(job.out / "weights.safetensors"))
+        (job.out / "metrics.json").write_text(json.dumps(metrics))
+
+
+def _rank_main(rank: int, world: int, init_method: str, jobs: list[Job], cuda: bool) -> None:
+    torch.set_num_threads(1)
+    for job in jobs:  # one group for all: `group.join` reuses it for every job's role
+        _run_job(rank, world, init_method, job, cuda)
     from hybridflow.stages.parallel.group import exit_rank
 
     exit_rank()
+
+
+def run_jobs(
+    world: int, jobs: list[Job], cuda: bool = False
+) -> list[tuple[dict[str, torch.Tensor], list[dict[str, float]]]]:
+    """Run `jobs` one after another on the same `world` spawned ranks: a spawn (a fresh
+    interpreter importing torch, transformers and the roles, then the rendezvous) costs
+    far more on CPU than a job on the tiny model, so a test module spawns once for all
+    its jobs. Each job's role is set up afresh (its own seeded init), as in its own
+    processes. Returns each job's (full weights, per-step metrics) from rank 0."""
+    for job in jobs:
+        job.out.mkdir(parents=True, exist_ok=True)
+    torch.multiprocessing.spawn(
+        _rank_main,
+        args=(
+            world,
+            f"file://{jobs[0].out}/rendezvous",  # no port to pick (and race for)
+            jobs,
+            cuda,  # rank r on cuda:r (NCCL) instead of the CPU (gloo)
+        ),
+        nprocs=world,
+        join=True,
+    )
+    return [
+        (
+            load_file(str(job.out / "weights.safetensors")),
+            json.loads((job.out / "metrics.json").read_text()),
+        )
+        for job in jobs
+    ]
 
 
 def run_ranks(
@@ -102,23 +142,6 @@ def run_ranks(
     save_to: Path | None = None,
     cuda: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
-    out.mkdir(parents=True, exist_ok=True)
-    torch.multiprocessing.spawn(
-        _rank_main,
-        args=(
-            world,
-            f"file://{out}/rendezvous",  # no port to pick (and race for)
-            kind,
-            options,
-            micro_batches,
-            steps,
-            str(out),
-            str(load_from or ""),
-            str(save_to or ""),
-            cuda,  # rank r on cuda:r (NCCL) instead of the CPU (gloo)
-        ),
-        nprocs=world,
-        join=True,
-    )
-    weights = load_file(str(out / "weights.safetensors"))
-    return weights, json.loads((out / "metrics.json").read_text())
+    """One job on its own `world` ranks (see `run_jobs`)."""
+    job = Job(kind, options, micro_batches, steps, out, load_from, save_to)
+    return run_jobs(world, [job], cuda)[0]

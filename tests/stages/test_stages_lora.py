@@ -276,31 +276,9 @@ def test_the_export_is_a_peft_adapter_directory_with_the_trained_log_probs(tmp_p
     torch.testing.assert_close(lp, trained["old_logprobs"], atol=1e-5, rtol=0)
 
 
-# fp32 on CPU: the ranks sum in another order than one process (as test_stages_fsdp.py).
-ATOL, RTOL = 2e-5, 1e-4
-
-
-@pytest.mark.slow  # two spawned gloo ranks
-def test_two_fsdp_ranks_train_the_adapters_as_one_process_does(tmp_path, seqs):
-    from fsdp_helpers import full_weights, run_ranks, train
-
-    mbs = [{k: v[i * 6 : (i + 1) * 6] for k, v in seqs.items()} for i in range(2)]
-    opts = {**LORA, "lr": 1e-3, "forward_batch_size": 2}
-    ranked, _ = run_ranks(2, "actor", opts, mbs, 3, tmp_path / "r2", save_to=tmp_path / "ck")
-    one = make_role(Actor, "actor", opts)
-    train(one, mbs, 3)
-    after, before = full_weights(one), full_weights(make_role(Actor, "actor", opts))
-    changed = {k for k in after if not torch.equal(before[k], after[k])}
-    assert changed and all("lora_" in k for k in changed), sorted(changed)[:4]
-    assert ranked.keys() == after.keys()
-    for k in after:
-        torch.testing.assert_close(ranked[k], after[k], atol=ATOL, rtol=RTOL, msg=k)
-    # The ranks' checkpoint (adapters only) loads into one process: the ranks' weights.
-    back = make_role(Actor, "actor", opts)
-    state = json.loads((tmp_path / "ck" / "state.json").read_text())
-    back.load_shards(tmp_path / "ck" / "shards", state["extra"])
-    got = full_weights(back)
-    assert all(torch.equal(got[k], ranked[k]) for k in ranked)
+# Two FSDP ranks training the adapters as one process does: test_stages_fsdp.py
+# (test_two_fsdp_ranks_train_the_adapters_as_one_process_does), which spawns its ranks
+# once for all of its jobs.
 
 
 def test_the_lora_reshard_bench_reports_merged_and_adapter_bytes(capsys):
