@@ -47,12 +47,30 @@ def ids(records) -> list[int]:
     return [int(r["id"].rsplit("-", 1)[1]) for r in records]
 
 
-def test_a_map_dataset_serves_the_same_batches_as_the_file_path(tmp_path):
-    """The same records as a torch Dataset and as a .jsonl file: identical batches at
-    every step (the eager path's order, metadata and padding), rows read only on demand."""
+def _hf_counting_map():
+    """An HF map-style Dataset of RECS that records the rows it is asked for in `.seen`."""
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list(RECS)
+    seen: list[int] = []
+
+    def counted(batch):
+        seen.extend(int(i.rsplit("-", 1)[1]) for i in batch["id"])
+        return batch
+
+    ds.set_transform(counted)  # runs on each row read
+    ds.seen = seen
+    return ds
+
+
+@pytest.mark.parametrize("kind", ["torch", "hf"])
+def test_a_map_dataset_serves_the_same_batches_as_the_file_path(tmp_path, kind):
+    """The same records as a torch (or Hugging Face) Dataset and as a .jsonl file:
+    identical batches at every step (the eager path's order, metadata and padding), rows
+    read only on demand. (The HF one is also what test_api_datasets.py's engine runs
+    would read: the same MapRecords path as the torch one.)"""
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in RECS))
-    ds = CountingMap()
+    ds = CountingMap() if kind == "torch" else _hf_counting_map()
     opts = {"tokenizer": "builtin"}
     lazy = PromptSource(FIELDS, {**opts, "source": dataset_source(ds, tmp_path)}, seed=5)
     eager = PromptSource(FIELDS, {**opts, "source": str(path)}, seed=5)
