@@ -33,12 +33,11 @@ def clean(rows: list[dict[str, float]]) -> list[dict[str, float]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """6 uninterrupted steps: metrics and the final checkpoint."""
-    log_dir = tmp_path_factory.mktemp("ref")
-    with builder().build(metrics_backend="jsonl", log_dir=log_dir) as engine:
-        result = engine.train("last_digit", steps=6)
-    return clean(result.metrics), Path(result.checkpoint), log_dir
+def reference(engine_reference):
+    """6 uninterrupted steps (conftest.py: run once, shared with the lifetime tests):
+    metrics and the final checkpoint."""
+    rows, last, log_dir = engine_reference
+    return clean(rows), last, log_dir
 
 
 def test_killed_run_resumes_identically_and_same_seed_repeats(reference, tmp_path):
