@@ -64,6 +64,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -161,27 +162,48 @@ actor.update(loss)
 """
 
 
-def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser(base: Settings, out: str, description: str) -> argparse.ArgumentParser:
+    """The command line of an example whose sizes are `base`'s fields (every field but
+    _NOT_FLAGS is a flag: --rl-steps 80, --model qwen2-0.5b, ...)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true", help="the CPU setting (under 10 minutes)")
-    ap.add_argument("--out", default="runs/math_rl")
+    ap.add_argument("--out", default=out)
     ap.add_argument("--device", default="cpu", help="cpu, cuda:0, ...")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--goal-points", type=float, default=10.0)
-    # Any size of the chosen setting can be overridden: --model qwen2-0.5b, --rl-steps 80...
-    sizes = [f.name for f in dataclasses.fields(Settings) if f.name not in _NOT_FLAGS]
-    for name in sizes:
-        ap.add_argument("--" + name.replace("_", "-"), type=type(getattr(QUICK, name)))
-    args = ap.parse_args(argv)
-    base = QUICK if args.quick else FULL
-    given = {name: getattr(args, name) for name in sizes if getattr(args, name) is not None}
+    for name in _sizes(base):
+        ap.add_argument("--" + name.replace("_", "-"), type=type(getattr(base, name)))
+    return ap
+
+
+def settings(args: argparse.Namespace, quick: Settings, full: Settings) -> Settings:
+    """The chosen setting (`--quick` or the default) with the flags given replacing sizes."""
+    base = quick if args.quick else full
+    given = {n: getattr(args, n) for n in _sizes(base) if getattr(args, n) is not None}
     if "model" in given and given["model"] != base.model:
         given["model_overrides"] = {}  # another preset: its own shape
-    return args, dataclasses.replace(base, **given)
+    return dataclasses.replace(base, **given)
 
 
-def make_tokenizer(train_path: Path, s: Settings, directory: Path) -> Path:
-    """A BPE tokenizer with a chat template, trained on the train split's text."""
+def _sizes(base: Settings) -> list[str]:
+    return [f.name for f in dataclasses.fields(base) if f.name not in _NOT_FLAGS]
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
+    args = parser(QUICK, "runs/math_rl", __doc__.split("\n")[0]).parse_args(argv)
+    return args, settings(args, QUICK, FULL)
+
+
+def make_tokenizer(
+    train_path: Path,
+    s: Settings,
+    directory: Path,
+    *,
+    chat_template: str | None = None,
+    extra: Iterable[str] = (),
+) -> Path:
+    """A BPE tokenizer with a chat template (CHAT_TEMPLATE by default), trained on the
+    train split's text and the `extra` lines."""
     from hybridflow.data.sources import load_records
     from hybridflow.models.tokenizer import CHAT_TEMPLATE, train_tokenizer
 
@@ -189,14 +211,26 @@ def make_tokenizer(train_path: Path, s: Settings, directory: Path) -> Path:
         for rec in load_records(str(train_path)):
             yield rec["prompt"][0]["content"]
             yield rec["extra_info"]["answer"]
+        yield from extra
 
-    tok = train_tokenizer(corpus(), s.vocab_size, chat_template=CHAT_TEMPLATE)
+    template = chat_template or CHAT_TEMPLATE
+    tok = train_tokenizer(corpus(), s.vocab_size, chat_template=template)
     tok.save_pretrained(str(directory))
     return directory
 
 
-def build(args: argparse.Namespace, s: Settings, tokenizer: Path, out: Path) -> Any:
-    df = DataflowBuilder("math_rl", seed=args.seed)
+def build(
+    args: argparse.Namespace,
+    s: Settings,
+    tokenizer: Path,
+    out: Path,
+    *,
+    name: str = "math_rl",
+    environment: dict[str, Any] | None = None,
+) -> Any:
+    """The GRPO job; `environment`: add_environment's arguments (multi-turn rollouts
+    whose environment gives the reward), else the verifier scores single responses."""
+    df = DataflowBuilder(name, seed=args.seed)
     gpu = args.device.startswith("cuda")
     engine = s.rollout if s.rollout != "auto" else ("native" if gpu else "hf")
     # On a GPU: fp32 master weights with bf16 autocast for training, a bf16 sampler
@@ -218,7 +252,10 @@ def build(args: argparse.Namespace, s: Settings, tokenizer: Path, out: Path) -> 
         rollout={"dtype": "bfloat16"} if gpu else None,
         **precision,
     )
-    df.add_reward_function(VERIFIER, device_mapping="cpu")
+    if environment is None:
+        df.add_reward_function(VERIFIER, device_mapping="cpu")
+    else:
+        df.add_environment(**environment)
     df.define_training_step(
         inputs=["prompt"],
         outputs=["loss", "rewards"],
@@ -229,23 +266,35 @@ def build(args: argparse.Namespace, s: Settings, tokenizer: Path, out: Path) -> 
     return df.build(log_level="WARNING", metrics_backend="jsonl", log_dir=str(out / "run"))
 
 
-def accuracy(row: dict[str, float]) -> float:
-    if ACC_KEY not in row:
-        raise KeyError(f"validation row has no {ACC_KEY!r}: {sorted(row)}")
-    return row[ACC_KEY]
+def accuracy(row: dict[str, float], key: str = ACC_KEY) -> float:
+    if key not in row:
+        raise KeyError(f"validation row has no {key!r}: {sorted(row)}")
+    return row[key]
 
 
-def plot(val: list[dict[str, float]], train: list[dict[str, float]], path: Path) -> None:
+def plot(
+    val: list[dict[str, float]],
+    train: list[dict[str, float]],
+    path: Path,
+    series: dict[str, str] | None = None,
+) -> None:
+    """Left: the validation `series` (label -> key of a 0..1 metric; held-out accuracy
+    by default) per RL step; right: the training reward."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    series = series or {"held-out accuracy": ACC_KEY}
     fig = Figure(figsize=(10, 3.6), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     ax_v, ax_r = fig.subplots(1, 2)
-    ax_v.plot([r["step"] for r in val], [100 * accuracy(r) for r in val], "o-")
-    ax_v.set(title="held-out accuracy (greedy)", xlabel="RL step", ylabel="accuracy %")
+    for label, key in series.items():
+        ax_v.plot(
+            [r["step"] for r in val], [100 * accuracy(r, key) for r in val], "o-", label=label
+        )
+    first = next(iter(series.values()))
+    ax_v.set(title="validation (greedy)", xlabel="RL step", ylabel="%")
     ax_v.set_ylim(0, 100)
-    ax_v.axhline(100 * accuracy(val[0]), color="grey", ls=":", label="SFT model")
+    ax_v.axhline(100 * accuracy(val[0], first), color="grey", ls=":", label="SFT model")
     ax_v.legend(loc="lower right")
     steps = [r["step"] for r in train if "reward/mean" in r]
     ax_r.plot(steps, [r["reward/mean"] for r in train if "reward/mean" in r])
@@ -253,31 +302,28 @@ def plot(val: list[dict[str, float]], train: list[dict[str, float]], path: Path)
     fig.savefig(str(path))
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    args, s = parse(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def validation_options(test_path: Path, s: Settings) -> dict[str, Any]:
+    """Greedy on the held-out split before RL, every val_interval steps and at the end."""
+    return {
+        "source": str(test_path),
+        "interval": s.val_interval,
+        "before_train": True,
+        "after_train": True,
+        "temperature": 0.0,
+        "n": 1,
+        "max_new_tokens": s.max_new_tokens,
+        "generations": 4,
+    }
+
+
+def sft_then_rl(
+    engine: Any, s: Settings, pairs: list[dict[str, Any]], train_path: Path, test_path: Path
+) -> tuple[list[float], Any, dict[str, float]]:
+    """SFT on `pairs`, then GRPO with validation; closes the engine.
+    -> (SFT losses, the RL TrainResult, seconds per phase)."""
     times: dict[str, float] = {}
-
-    train_path, test_path = wp.write_dataset(
-        out / "data", s.n_train, s.n_test, seed=args.seed, difficulty=s.difficulty
-    )
-    tokenizer = make_tokenizer(train_path, s, out / "tokenizer")
-    times["data_s"] = time.perf_counter() - t0
-    print(f"data: {train_path} ({s.n_train}), {test_path} ({s.n_test}); tokenizer: {tokenizer}")
-
-    engine = build(args, s, tokenizer, out)
     try:
         t = time.perf_counter()
-        # Engine.sft takes {prompt, response} records: the chat prompt as is (templated
-        # like RL's) and the worked solution as the response.
-        from hybridflow.data.sources import load_records
-
-        pairs = [
-            {"prompt": r["prompt"], "response": r["extra_info"]["answer"]}
-            for r in load_records(str(train_path))
-        ]
         sft = engine.sft(
             pairs,
             steps=s.sft_steps,
@@ -288,45 +334,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         times["sft_s"] = time.perf_counter() - t
         losses = [r["actor/sft_loss"] for r in sft.metrics]
         print(f"SFT: {s.sft_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-
         t = time.perf_counter()
-        validation = {
-            "source": str(test_path),
-            "interval": s.val_interval,
-            "before_train": True,
-            "after_train": True,
-            "temperature": 0.0,
-            "n": 1,
-            "max_new_tokens": s.max_new_tokens,
-            "generations": 4,
-        }
-        rl = engine.train(str(train_path), steps=s.rl_steps, validation=validation)
+        rl = engine.train(
+            str(train_path), steps=s.rl_steps, validation=validation_options(test_path, s)
+        )
         times["rl_s"] = time.perf_counter() - t
     finally:
         engine.close()
-    times["total_s"] = time.perf_counter() - t0
+    return losses, rl, times
 
-    val = sorted(rl.validation, key=lambda r: r["step"])
-    before, after = accuracy(val[0]), accuracy(val[-1])
-    rise = 100 * (after - before)
-    ok = math.isfinite(rise) and rise >= args.goal_points
-    print("\n  step  held-out acc  val reward")
+
+def table(val: list[dict[str, float]], columns: dict[str, str]) -> None:
+    """One line per validation step: `columns` (header -> key of a 0..1 metric) in %."""
+    print("\n  step" + "".join(f"  {h:>14}" for h in columns))
     for r in val:
-        print(f"  {int(r['step']):4d}  {100 * accuracy(r):10.1f}%  {r['val/reward/mean']:10.3f}")
-    print(
-        f"held-out accuracy: SFT {100 * before:.1f}% -> after {s.rl_steps} GRPO steps "
-        f"{100 * after:.1f}% ({rise:+.1f} points; goal >= +{args.goal_points:g}): "
-        f"{'OK' if ok else 'NOT MET'}"
-    )
-    print("wall: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f}s" for k, v in times.items()))
-    plot(val, rl.metrics, out / "plot.png")
+        cells = "".join(f"  {100 * accuracy(r, k):13.1f}%" for k in columns.values())
+        print(f"  {int(r['step']):4d}{cells}")
+
+
+def save(
+    out: Path,
+    args: argparse.Namespace,
+    s: Settings,
+    rl: Any,
+    losses: list[float],
+    times: dict[str, float],
+    summary: dict[str, Any],
+) -> dict[str, Any]:
+    """<out>/summary.json: `summary` plus what every run records (training reward, SFT
+    losses, wall times, settings, run directory); -> the whole summary."""
     summary = {
-        "sft_acc": before,
-        "rl_acc": after,
-        "rise_points": rise,
-        "goal_points": args.goal_points,
-        "ok": ok,
-        "validation": [{"step": int(r["step"]), "acc": accuracy(r)} for r in val],
+        **summary,
         "train_reward": [r.get("reward/mean") for r in rl.metrics],
         "sft_loss": losses,
         "wall": {k: round(v, 1) for k, v in times.items()},
@@ -336,6 +374,62 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"plot: {out / 'plot.png'}  summary: {out / 'summary.json'}")
     return summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    args, s = parse(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    train_path, test_path = wp.write_dataset(
+        out / "data", s.n_train, s.n_test, seed=args.seed, difficulty=s.difficulty
+    )
+    tokenizer = make_tokenizer(train_path, s, out / "tokenizer")
+    times = {"data_s": time.perf_counter() - t0}
+    print(f"data: {train_path} ({s.n_train}), {test_path} ({s.n_test}); tokenizer: {tokenizer}")
+
+    # Engine.sft takes {prompt, response} records: the chat prompt as is (templated
+    # like RL's) and the worked solution as the response.
+    from hybridflow.data.sources import load_records
+
+    pairs = [
+        {"prompt": r["prompt"], "response": r["extra_info"]["answer"]}
+        for r in load_records(str(train_path))
+    ]
+    losses, rl, phase_times = sft_then_rl(
+        build(args, s, tokenizer, out), s, pairs, train_path, test_path
+    )
+    times.update(phase_times, total_s=time.perf_counter() - t0)
+
+    val = sorted(rl.validation, key=lambda r: r["step"])
+    before, after = accuracy(val[0]), accuracy(val[-1])
+    rise = 100 * (after - before)
+    ok = math.isfinite(rise) and rise >= args.goal_points
+    table(val, {"held-out acc": ACC_KEY, "val reward": "val/reward/mean"})
+    print(
+        f"held-out accuracy: SFT {100 * before:.1f}% -> after {s.rl_steps} GRPO steps "
+        f"{100 * after:.1f}% ({rise:+.1f} points; goal >= +{args.goal_points:g}): "
+        f"{'OK' if ok else 'NOT MET'}"
+    )
+    print("wall: " + ", ".join(f"{k.removesuffix('_s')} {v:.0f}s" for k, v in times.items()))
+    plot(val, rl.metrics, out / "plot.png")
+    return save(
+        out,
+        args,
+        s,
+        rl,
+        losses,
+        times,
+        {
+            "sft_acc": before,
+            "rl_acc": after,
+            "rise_points": rise,
+            "goal_points": args.goal_points,
+            "ok": ok,
+            "validation": [{"step": int(r["step"]), "acc": accuracy(r)} for r in val],
+        },
+    )
 
 
 if __name__ == "__main__":

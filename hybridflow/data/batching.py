@@ -97,7 +97,10 @@ def collate_sft(examples: Sequence[Mapping[str, Any]], tokenizer: Any) -> dict[s
 
     A pair's prompt is a string (tokenized here, as a plain prompt: special tokens
     added) or already token ids under `prompt_ids` (the sft source gives the RL prompt
-    source's ids, chat template applied: data/prompts.py `make_item`)."""
+    source's ids, chat template applied: data/prompts.py `make_item`). A response is a
+    string (tokenized, EOS appended) or already token ids under `response_ids`, taken as
+    they are, with an optional `response_mask` (1: trained on; 0: not, e.g. the tool
+    observations inside a multi-turn demonstration; its last entry must be 1)."""
     prompts = [
         list(e["prompt_ids"])
         if "prompt_ids" in e
@@ -105,11 +108,17 @@ def collate_sft(examples: Sequence[Mapping[str, Any]], tokenizer: Any) -> dict[s
         for e in examples
     ]
     responses = [
-        tokenizer(e["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        list(e["response_ids"])
+        if "response_ids" in e
+        else tokenizer(e["response"], add_special_tokens=False)["input_ids"]
+        + [tokenizer.eos_token_id]
         for e in examples
     ]
     p_ids, p_mask = pad_left(prompts, tokenizer.pad_token_id)
     r_ids, r_mask = pad_right(responses, tokenizer.pad_token_id)
+    for i, e in enumerate(examples):  # a multi-turn response: 0 on its observation tokens
+        if e.get("response_mask") is not None:
+            r_mask[i, : len(responses[i])] = torch.as_tensor(list(e["response_mask"]))
     return {
         "prompt_ids": p_ids,
         "prompt_mask": p_mask,

@@ -6,7 +6,8 @@ so it is identical in every process and on every machine: same corpus + same tra
 settings give the same merges (`tokenizers`' BPE trainer breaks ties deterministically).
 `train_tokenizer(corpus, vocab_size, chat_template)` runs the same trainer on a user's
 corpus (e.g. a dataset's questions and solutions: examples/math_rl.py) and can carry a
-chat template (CHAT_TEMPLATE: `<|user|>` / `<|assistant|>` markers).
+chat template (CHAT_TEMPLATE: `<|user|>` / `<|assistant|>` markers; TOOL_CHAT_TEMPLATE adds
+the `<|tool|>` role of multi-turn rollouts).
 
 Both produce a `transformers.PreTrainedTokenizerFast` with:
   - special tokens `<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3 (ids fixed by their order),
@@ -49,6 +50,16 @@ CHAT_TEMPLATE = (
     "{{- '\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>{{- '\\n' -}}{%- endif -%}"
+)
+# CHAT_TEMPLATE plus the `tool` role of multi-turn rollouts (stages/env: a ToolEnv's
+# observation is one {"role": "tool", ...} message per call), as <|tool|>\n{content}\n.
+# Tool schemas (`tools=`) are not rendered: a model trained from scratch learns its tools
+# from demonstrations (examples/agent_math.py), and every prompt stays as short as
+# without them. Prefix-stable, as the trajectory loop's ObservationEncoder requires.
+TOOL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- elif message['role'] == 'assistant' -%}<|assistant|>",
+    "{%- elif message['role'] == 'assistant' -%}<|assistant|>"
+    "{%- elif message['role'] == 'tool' -%}<|tool|>",
 )
 _MARKER = re.compile(r"<\|[A-Za-z0-9_]+\|>")
 

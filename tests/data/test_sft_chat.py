@@ -146,3 +146,33 @@ def test_response_key_errors_and_dotted_paths(tmp_path):
     assert field_at({"a": {"b": "x"}}, "a.b") == "x"
     assert field_at({"a.b": "y", "a": {"b": "x"}}, "a.b") == "y"
     assert field_at({"a": "x"}, "a.b") is None
+
+
+def test_token_id_responses_keep_their_ids_and_mask(tmp_path, records, chat_dir):
+    """A multi-turn demonstration given as ids: taken as is (no EOS added), its mask 0
+    on the observation span; a bad mask or id list is named by its option key."""
+    import json
+
+    tok = load_tokenizer(str(chat_dir))
+    turn = [*tok.encode("7+5", add_special_tokens=False), tok.eos_token_id]
+    ids, mask = [*turn, 9, 10, *turn], [1] * len(turn) + [0, 0] + [1] * len(turn)
+    rows = [{"prompt": MESSAGES, "response": ids, "response_mask": mask}]
+    rows.append({"prompt": MESSAGES, "response": "12"})  # text beside ids in one batch
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = SFTExamples(SFT_FIELDS, {"source": str(path), "tokenizer": str(chat_dir)}, 0)
+    by_len = sorted(src.pairs, key=lambda p: -len(p.get("response_ids", [])))
+    batch = collate_sft(by_len, tok)
+    assert batch["response_ids"][0].tolist() == ids
+    assert batch["response_mask"][0].tolist() == mask
+    text = [*tok.encode("12", add_special_tokens=False), tok.eos_token_id]
+    assert batch["response_mask"][1].tolist() == [1] * len(text) + [0] * (len(ids) - len(text))
+    for bad, key in (([*mask[:-1], 0], "response_mask_key"), ([1, 2], "response_mask_key")):
+        path.write_text(json.dumps({"prompt": MESSAGES, "response": ids, "response_mask": bad}))
+        with pytest.raises(ConfigError, match=rf"data\.options\.{key}: row 0"):
+            SFTExamples(SFT_FIELDS, {"source": str(path), "tokenizer": str(chat_dir)}, 0)
+    path.write_text(json.dumps({"prompt": MESSAGES, "response": [len(tok)]}))
+    with pytest.raises(
+        ConfigError, match=r"data\.options\.response_key: row 0 has no string at .* nor a list"
+    ):
+        SFTExamples(SFT_FIELDS, {"source": str(path), "tokenizer": str(chat_dir)}, 0)

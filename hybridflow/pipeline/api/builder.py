@@ -127,6 +127,41 @@ class DataflowBuilder:
         self._roles["rollout"] = _Role(rollout_backend, {"model": model_name, **roll}, roll_map)
         return self
 
+    def add_environment(
+        self,
+        env: str,
+        env_options: Mapping[str, Any] | None = None,
+        *,
+        reward: bool = True,
+        max_turns: int | None = None,
+        max_total_tokens: int | None = None,
+    ) -> DataflowBuilder:
+        """Multi-turn rollouts: the sampler plays each prompt in `env` (a built-in name such
+        as "calculator", or `package.module:Class`, built with `env_options`), turn after
+        turn, in the rollout's process (stages/rollout/multiturn.py); `max_turns` and
+        `max_total_tokens` bound the trajectory loop. `reward=True`: the environment's
+        reward is the run's reward (the `env` reward backend, in the rollout's stage),
+        and `reward.score` in the logic scores with it; False: add a reward of your own.
+        Other loop options (env_timeout_s, env_concurrency, tool_parser) go in
+        `add_actor(rollout=...)`. With an `env` in the rollout's options (from here or
+        from `add_actor(rollout={"env": ...})`), the compiled dataflow feeds `generate`
+        each row's record (metadata_json) and takes env_reward and num_turns from it."""
+        roll = self._roles.get("rollout")
+        if roll is None:
+            raise ConfigError("add_environment", "add the actor first (df.add_actor)")
+        if not isinstance(env, str) or not env or ":" in env:  # a name is checked at build()
+            split_spec(env, "add_environment.env", form="a built-in name or package.module:Class")
+        if roll.options.get("env"):
+            raise ConfigError(
+                "add_environment", f"the rollout already has env {roll.options['env']!r}"
+            )
+        loop = {"max_turns": max_turns, "max_total_tokens": max_total_tokens}
+        roll.options.update(env=env, env_options=dict(env_options or {}))
+        roll.options.update({k: v for k, v in loop.items() if v is not None})
+        if reward:  # colocated with the rollout (see _stages): it holds no model
+            self._add("reward", "env", {}, None)
+        return self
+
     def add_critic(
         self, model_name: str, device_mapping: Any = None, **options: Any
     ) -> DataflowBuilder:
@@ -263,7 +298,7 @@ class DataflowBuilder:
             "run": {"steps": steps, **self._run},
             "data": data,
             "stages": stages,
-            "dataflow": _with_weight_sync(compiled, stages),
+            "dataflow": self._with_environment(_with_weight_sync(compiled, stages)),
             "liveness": dict(_LIVENESS),
             "metrics": metrics,
             "log_level": log_level,
@@ -291,6 +326,8 @@ class DataflowBuilder:
             if role in ("actor", "rollout"):  # the hybrid engine unless mapped apart
                 mappings[role] = actor_map if mapping is None else mapping
                 continue
+            if mapping is None and spec.backend == "env":  # beside the rollout it reads
+                mapping = mappings["rollout"]
             if mapping is None:
                 # Hybrid engine by default: the reference shares the actor's devices. On a
                 # CPU-only machine the critic and reward get processes of their own (CPU
@@ -367,6 +404,20 @@ class DataflowBuilder:
                     )
                 target[key] = value
         return out
+
+    def _with_environment(self, ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """With an environment (add_environment): `generate` reads each row's record and
+        makes env_reward and num_turns; an `env` reward scores env_reward."""
+        if not self._roles["rollout"].options.get("env"):
+            return ops
+        env_reward = "reward" in self._roles and self._roles["reward"].backend == "env"
+        for op in ops:
+            if op["role"] == "rollout" and op["op"] == "generate":
+                op["inputs"] = [*op["inputs"], "metadata_json"]
+                op["outputs"] = [*op["outputs"], "env_reward", "num_turns"]
+            elif env_reward and op["role"] == "reward" and op["op"] == "score":
+                op["inputs"] = ["env_reward"]
+        return ops
 
     @property
     def step_spec(self) -> tuple[tuple[str, ...], tuple[str, ...], str] | None:

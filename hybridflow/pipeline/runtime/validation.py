@@ -16,7 +16,11 @@ op and, walking back, the micro-batch ops that produce its inputs (the rollout's
 validation's temperature / top_p / max_new_tokens as op params (the per-call sampling
 overrides every rollout backend reads); the `prompts` data source repeats each prompt
 `validation.n` times, in file order (no shuffle), and the score op also returns
-`reward_info` (a scorer's `acc`, `pred`) when its backend declares it.
+`reward_info` (a scorer's `acc`, `pred`) when its backend declares it. A multi-turn
+rollout (one whose generate makes `num_turns`) runs its environment here too, and each
+sample adds `turns` and `multi_turn` (1 when the trajectory went past its first turn:
+with a ToolEnv, when the model called a tool) to its extras, so the row has
+`val/<data_source>/turns/mean` and the tool-use rate `val/<data_source>/multi_turn/mean`.
 
 Sizes: a micro-batch holds whole prompts (validation.micro_batch, else run.micro_batch
 rounded down to a multiple of n); a job step holds at most run.step_batch samples
@@ -200,6 +204,7 @@ class Validator:
                     "response_ids",
                     "response_mask",
                     *(("reward_info",) if self._has("reward_info") else ()),
+                    *(("num_turns",) if self._has("num_turns") else ()),
                     *(("prompt_ids", "prompt_mask") if cfg.generations else ()),
                 )
             )
@@ -279,6 +284,9 @@ class Validator:
                         for key, v in info[r].items()
                         if isinstance(v, int | float | str) and not isinstance(v, bool)
                     }
+                    if "num_turns" in part:  # a multi-turn rollout's trajectory
+                        turns = int(part["num_turns"][r])
+                        extras.update(turns=float(turns), multi_turn=float(turns > 1))
                     samples[k] = ValSample(
                         prompt=int(part["group_index"][r]),
                         data_source=str(meta[r].get("data_source", "")),

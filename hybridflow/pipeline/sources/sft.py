@@ -12,9 +12,16 @@ Each step is `size` pairs in a seeded order, collated to the RL batch layout
   response_ids   [B, R] int64  right-padded, EOS  response_mask  [B, R] int64
   sample_idx     [B] int64     global sample number: step * B + row
 
+A response is text (tokenized, EOS appended) or a list of token ids taken as they are:
+a multi-turn demonstration rendered as the trajectory loop lays it out (model turns,
+each ending on its stop token, with the tool observations between them), whose
+`response_mask` (a list of 0/1, one per id; all 1 when absent) is 0 on the observation
+tokens, so SFT trains on the model's tokens only, as RL's loss does (examples/agent_math.py).
+
 Options: source (required), tokenizer ("builtin" / a directory) or model (use that
 model's tokenizer), task_size (pairs generated for task sources, 1024), prompt_key
-("prompt"), response_key ("response"; dotted: "extra_info.answer"), chat_template
+("prompt"), response_key ("response"; dotted: "extra_info.answer"), response_mask_key
+("response_mask"), chat_template
 ("auto" | "never"), max_prompt_length (256), truncation ("error"), split, shuffle (true).
 
 Invariants:
@@ -52,6 +59,7 @@ class SFTOptions:
     task_size: int = 1024
     prompt_key: str = "prompt"
     response_key: str = "response"  # a field name, or a dotted path: "extra_info.answer"
+    response_mask_key: str = "response_mask"  # with token-id responses (module docstring)
     chat_template: Literal["auto", "never"] = "auto"  # as DataOptions: the RL prompts'
     max_prompt_length: int = 256  # tokens; as DataOptions
     truncation: Literal["error", "left", "right"] = "error"
@@ -115,14 +123,10 @@ class SFTExamples:
         template = uses_template(self.tokenizer, prompt_opts)
         self.pairs = []
         for i, rec in enumerate(records):
-            response = field_at(rec, opts.response_key)
-            if not isinstance(response, str):
-                raise ConfigError(
-                    "data.options.response_key",
-                    f"row {i} has no string at {opts.response_key!r} (fields: {sorted(rec)})",
-                )
             item = make_item(i, rec, self.tokenizer, prompt_opts, template, "data.options")
-            self.pairs.append({"prompt_ids": item.prompt_ids, "response": response})
+            pair = {"prompt_ids": item.prompt_ids}
+            pair.update(_response(i, rec, opts, len(self.tokenizer)))
+            self.pairs.append(pair)
         self._orders: dict[int, list[int]] = {}
 
     def _row(self, k: int) -> int:
@@ -144,6 +148,39 @@ class SFTExamples:
 
     def close(self) -> None:
         pass
+
+
+def _response(i: int, rec: Mapping[str, Any], opts: SFTOptions, vocab: int) -> dict[str, Any]:
+    """Row i's response: {"response": text}, or {"response_ids", "response_mask"} for a
+    response given as token ids (module docstring)."""
+    response = field_at(rec, opts.response_key)
+    if isinstance(response, str):
+        return {"response": response}
+    key = "data.options.response_key"
+    if not _ids(response, vocab):
+        raise ConfigError(
+            key,
+            f"row {i} has no string at {opts.response_key!r}, nor a list of token ids "
+            f"(< {vocab}) (fields: {sorted(rec)})",
+        )
+    mask = field_at(rec, opts.response_mask_key)
+    if mask is None:
+        mask = [1] * len(response)
+    if not _ids(mask, 2) or len(mask) != len(response) or mask[-1] != 1:
+        raise ConfigError(
+            "data.options.response_mask_key",
+            f"row {i}: {opts.response_mask_key!r} must be 0/1 per response token "
+            f"({len(response)}), ending on a 1 (a model token)",
+        )
+    return {"response_ids": list(response), "response_mask": list(mask)}
+
+
+def _ids(value: Any, bound: int) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < bound for t in value)
+    )
 
 
 def field_at(record: Mapping[str, Any], key: str) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import math
+import warnings
 from fractions import Fraction
 from typing import Any
 
@@ -51,7 +52,9 @@ def evaluate(expression: str) -> Fraction:
     if not expression.strip():
         raise ValueError("empty expression")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with warnings.catch_warnings():  # "12abc": a SyntaxWarning on stderr, then the error
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError) as exc:
         raise ValueError(f"not an arithmetic expression ({getattr(exc, 'msg', exc)})") from None
     except RecursionError:
