@@ -125,6 +125,7 @@ def test_agent_math_runs_every_phase_and_reports(tmp_path, capsys):
 
 
 @pytest.mark.example
+@pytest.mark.learning  # `make test-learning`: make test keeps math_rl's learning run only
 @pytest.mark.timeout(3600)
 def test_agent_math_quick_raises_accuracy_and_tool_use(tmp_path):
     summary = load().main(["--quick", "--out", str(tmp_path)])
