@@ -47,8 +47,7 @@ from hybridflow.stages.rollout.native.graphs import (
     pick,
 )
 from hybridflow.stages.rollout.native.kv_cache import SlotCache, round_up
-from hybridflow.stages.rollout.native.model import NativeModel
-from hybridflow.stages.rollout.native.prefill import prompt_logits
+from hybridflow.stages.rollout.native.model import NativeModel, prompt_logits
 from hybridflow.stages.rollout.native.request import Request, RequestOutput
 from hybridflow.stages.rollout.native.sampler import row_uniform, sample, split_seed
 from hybridflow.stages.rollout.native.scheduler import Moves, Scheduler
