@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hybridflow.bench.reshard import best_of
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.base import StageContext
 from hybridflow.stages.rollout.hf import HFRollout
@@ -45,16 +45,6 @@ def _role(cls: type, options: dict[str, Any], name: str) -> Any:
     return role
 
 
-def _best(fn: Any, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def measure(preset: str, rank: int, reps: int, rollout: Any) -> dict[str, Any]:
     actor = _role(Actor, {"model": preset, "lora_rank": rank}, "actor")
     params = list(actor.model.parameters())
@@ -67,8 +57,8 @@ def measure(preset: str, rank: int, reps: int, rollout: Any) -> dict[str, Any]:
         "trained_params": sum(p.numel() for p in trained),
         "sent_bytes": sent,
         "adapter_bytes": sum(p.numel() * p.element_size() for p in trained) if rank else 0,
-        "named_weights_s": _best(lambda: sum(1 for _ in actor.named_weights()), reps),
-        "colocated_s": _best(lambda: rollout.update_weights(actor.named_weights()), reps),
+        "named_weights_s": best_of(lambda: sum(1 for _ in actor.named_weights()), reps),
+        "colocated_s": best_of(lambda: rollout.update_weights(actor.named_weights()), reps),
     }
 
 

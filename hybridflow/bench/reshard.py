@@ -122,7 +122,7 @@ def _roles_size(preset: str, reps: int) -> dict[str, Any]:
     def colocated() -> None:
         rollout.update_weights(actor.named_weights(), version=1)
 
-    out.update(_rate("colocated", _best(colocated, reps), nbytes))
+    out.update(_rate("colocated", best_of(colocated, reps), nbytes))
     metrics = _two_stage_run(preset, reps + 1)  # step 0: the cold first sync
     warm = metrics[1:]
     send_s = min(m["weight_sync/send_s"] for m in warm)
@@ -355,10 +355,11 @@ def _copy_s(tensors: list[torch.Tensor], reps: int) -> float:
         for d, t in zip(dst, tensors, strict=True):
             d.copy_(t)
 
-    return _best(once, reps)
+    return best_of(once, reps)
 
 
-def _best(fn: Any, reps: int) -> float:
+def best_of(fn: Any, reps: int) -> float:
+    """The fastest of `reps` timed calls of `fn`, after one untimed warm-up call."""
     fn()  # warm-up
     times = []
     for _ in range(reps):
