@@ -85,7 +85,7 @@ MAX_OFFPOLICY_STEPS = 1024  # steps in flight at once
 class RunConfig:
     """How long and how wide a run is, and how much the steps may overlap."""
 
-    steps: int = 1
+    steps: int = 1  # RL steps of the run (a resumed run continues up to this many)
     step_batch: int = 8  # samples (rows from the data source) per step
     micro_batch: int = 8  # samples per micro-batch: the unit of streaming
     # 0 = strict on-policy: rollout of step s+1 waits for the step-s reshard.
@@ -140,9 +140,9 @@ class DataConfig:
     hybridflow.pipeline.sources.registry); `fields` are the per-sample values it provides,
     which the dataflow may consume."""
 
-    source: str = "synthetic"
-    fields: tuple[str, ...] = ("prompt_ids",)
-    options: dict[str, Any] = field(default_factory=dict)
+    source: str = "synthetic"  # a registered data source: prompts | sft | synthetic
+    fields: tuple[str, ...] = ("prompt_ids",)  # per-sample values it provides to the dataflow
+    options: dict[str, Any] = field(default_factory=dict)  # the source's own options
 
     def validate(self, path: str) -> None:
         _require(bool(self.fields), _join(path, "fields"), "must name at least one value")
@@ -161,9 +161,9 @@ class RoleConfig:
     role's name: rollout, actor, critic, reference, reward); `backend` picks the
     implementation; `options` go to it verbatim (StageContext.options)."""
 
-    backend: str
-    kind: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
+    backend: str  # the implementation: hf, native, vllm, function, model, http, zmq, ...
+    kind: str = ""  # "" = the role's name (rollout, actor, critic, reference, reward)
+    options: dict[str, Any] = field(default_factory=dict)  # the backend's options
 
 
 @dataclass(frozen=True)
@@ -175,10 +175,10 @@ class StageConfig:
     --launcher ray`: the node started with the resource `hybridflow_host:<name>`, or an
     IP), which then also owns the check that the devices exist there."""
 
-    roles: dict[str, RoleConfig]
-    replicas: int = 1
-    devices: str | list[str] = "cpu"
-    hosts: str | list[str] = ""
+    roles: dict[str, RoleConfig]  # role name -> its backend; several = colocated
+    replicas: int = 1  # processes; a trainable role's replicas are FSDP ranks of one model
+    devices: str | list[str] = "cpu"  # "cpu" or "cuda:N", for all replicas or one per replica
+    hosts: str | list[str] = ""  # "" = this host; or a node name, for all or one per replica
 
     def device_of(self, replica: int) -> str:
         return self.devices if isinstance(self.devices, str) else self.devices[replica]
@@ -244,10 +244,11 @@ class OpConfig:
     `generate` 30 min, ...; `liveness.task_timeout_s` for ops the table does not know).
     """
 
-    role: str
-    op: str
-    inputs: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
+    role: str  # a role some stage hosts, or `driver` (computed in the coordinator)
+    op: str  # an op the role's backend declares; for `driver`, a registered op or pkg.mod:attr
+    inputs: tuple[str, ...] = ()  # value names the op consumes (data fields or earlier outputs)
+    outputs: tuple[str, ...] = ()  # value names it produces; each value has one producer
+    # micro_batch: streamed, once per micro-batch; step: once per step, behind the barrier
     scope: Literal["micro_batch", "step"] = "micro_batch"
     phase: str = ""  # default: the op's name
     params: dict[str, Any] = field(default_factory=dict)  # scalars, passed in Task.params
@@ -295,7 +296,9 @@ class OpConfig:
 
 @dataclass(frozen=True)
 class LivenessConfig:
-    heartbeat_interval_s: float = 1.0
+    """How the coordinator knows a stage is alive, and how long each wait may last."""
+
+    heartbeat_interval_s: float = 1.0  # every stage process sends a heartbeat this often
     heartbeat_timeout_s: float = 10.0  # silence longer than this = the stage is dead
     startup_timeout_s: float = 120.0  # handshake + role setup (model loading) of every stage
     shutdown_timeout_s: float = 5.0  # graceful exit before SIGTERM, then SIGKILL
@@ -334,10 +337,13 @@ class LivenessConfig:
 
 @dataclass(frozen=True)
 class TransportConfig:
+    """The sockets between the coordinator and the stages."""
+
+    # ipc: Unix sockets in ipc_dir (one host); tcp: TCP ports on `host` (multi-host)
     protocol: Literal["ipc", "tcp"] = "ipc"
     ipc_dir: str = ""  # "" = a fresh temporary directory per run
     host: str = "127.0.0.1"  # tcp: the coordinator binds here on a free port
-    hwm: int = 256
+    hwm: int = 256  # ZeroMQ high-water mark: messages queued per socket before sends wait
     shm_threshold: int = 1 << 20  # tensors >= this many bytes go through /dev/shm
 
     def validate(self, path: str) -> None:
@@ -389,9 +395,12 @@ class TrackerOptions:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    # Names of registered sinks (hybridflow.pipeline.observe.metrics): jsonl, memory, ...
+    """Where each step's metrics go."""
+
+    # Names of registered sinks (hybridflow.pipeline.observe.metrics): console, jsonl,
+    # tensorboard, plot, wandb, mlflow, memory, null; several at once.
     backends: tuple[str, ...] = ("jsonl",)
-    options: TrackerOptions = field(default_factory=TrackerOptions)
+    options: TrackerOptions = field(default_factory=TrackerOptions)  # wandb / mlflow names
 
 
 @dataclass(frozen=True)
@@ -431,7 +440,7 @@ class ValidationConfig:
     after_train: bool = True  # and the final one
     max_prompts: int = 0  # the first N prompts of the source; 0: all of them
     temperature: float = 0.0  # 0 = greedy (verl's val_kwargs default)
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling override; 1 = off
     n: int = 1  # samples per prompt; > 1 needs temperature > 0
     max_new_tokens: int | None = None  # None: the rollout's own
     micro_batch: int = 0  # samples per micro-batch; 0: run.micro_batch (a multiple of n)
@@ -472,16 +481,16 @@ MAX_SEED = (1 << 63) - 1  # torch, NumPy and the data sources take a 64-bit seed
 class Topology:
     """A whole run: stages, the dataflow between them, sizes, liveness and transport."""
 
-    name: str
-    stages: dict[str, StageConfig]
-    dataflow: tuple[OpConfig, ...]
-    seed: int = 0
-    run: RunConfig = field(default_factory=RunConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    liveness: LivenessConfig = field(default_factory=LivenessConfig)
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    log_level: str = "WARNING"
+    name: str  # the run's name (letters, digits, _ and -): runs/<name>, tracker names
+    stages: dict[str, StageConfig]  # stage name -> its processes and the roles they host
+    dataflow: tuple[OpConfig, ...]  # the step: ops in order, each role.op(inputs) -> outputs
+    seed: int = 0  # one seed for every stage, the data order and sampling (0 .. 2**63-1)
+    run: RunConfig = field(default_factory=RunConfig)  # sizes, steps, off-policy bound
+    data: DataConfig = field(default_factory=DataConfig)  # the training data source
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)  # heartbeats, timeouts
+    transport: TransportConfig = field(default_factory=TransportConfig)  # sockets
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # metrics sinks
+    log_level: str = "WARNING"  # DEBUG, INFO, WARNING or ERROR, for every process
     run_dir: str = ""  # "" = runs/<name>
     checkpoint: CheckpointConfig | None = None  # None: no checkpoints
     validation: ValidationConfig | None = None  # None: no held-out evaluation

@@ -42,11 +42,12 @@ class DataOptions:
     source: str = ""
     prompt_key: str = "prompt"  # a string, or a list of {role, content} chat messages
     max_prompt_length: int = 256  # tokens
+    # a prompt over max_prompt_length: an error naming its row, or cut on that side
     truncation: Literal["error", "left", "right"] = "error"
     chat_template: Literal["auto", "never"] = "auto"  # auto: use it when the tokenizer has one
     split: str | None = None  # for a datasets directory with several splits
     task_size: int = 1024  # prompts generated for task:NAME sources
-    shuffle: bool = True
+    shuffle: bool = True  # a seeded new order every epoch; False: the source's order
     limit: int = 0  # only the first N records of the source (in its order); 0: all
     # "package.module:attr" entries whose tool schemas the chat template shows (see above)
     tools: list[str] = field(default_factory=list)

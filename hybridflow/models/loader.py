@@ -47,14 +47,14 @@ class ModelOptions:
 
     model: str = ""  # local directory with config.json, or a preset name (`tiny`)
     tokenizer: str | None = None  # directory or "builtin"; default: the model's own
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the weights' dtype
     init_seed: int | None = None  # random init of presets / new heads; None: the run seed
     init_device: Literal["cpu", "device"] = "cpu"  # where presets are initialised (see load_model)
     # Mixed precision: keep `dtype` weights (float32: the optimizer's master copy) and run
     # every forward under bfloat16 autocast. Pure bfloat16 training (dtype: bfloat16)
     # loses updates smaller than bf16's resolution; this does not.
     autocast_bf16: bool = False
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"  # transformers' attention kernel
     # The output head (lm_head; a critic's or reward model's score head) in float32 even
     # under bf16: rollout and trainer log-probs then differ by less (models/heads.py).
     fp32_lm_head: bool = False

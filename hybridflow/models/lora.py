@@ -48,7 +48,7 @@ _BASE, _A, _B = ".base_layer.", f".lora_A.{_ADAPTER}.", f".lora_B.{_ADAPTER}."
 class LoraOptions:
     """The LoRA part of a trainable role's options (`lora_rank: 0` = full fine-tuning)."""
 
-    lora_rank: int = 0
+    lora_rank: int = 0  # adapter rank; 0: no LoRA (the whole model trains)
     lora_alpha: float = 16.0  # scaling = lora_alpha / lora_rank
     lora_dropout: float = 0.0  # on the adapter input, in the update's forward only
     # "all-linear": every nn.Linear but the output head; or a list of module names

@@ -82,8 +82,9 @@ class ClientConfig:
     timeout_s: float = 30.0  # per attempt
     retries: int = 3  # attempts = retries + 1
     backoff_s: float = 0.5  # first retry waits ~backoff_s, doubling each time
-    backoff_max_s: float = 10.0
+    backoff_max_s: float = 10.0  # cap of one backoff wait
     token_env: str | None = None  # name of an env var holding a bearer token (HTTP)
+    # After the last retry: "fail" stops the run; {fallback: x} scores those samples x
     on_failure: Literal["fail"] | FallbackPolicy = "fail"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger replies are protocol errors
     follow_redirects: bool = False  # HTTP: a 3xx is an error unless this is true

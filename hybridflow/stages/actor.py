@@ -92,14 +92,15 @@ from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
 @dataclass
 class ActorOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions):
     temperature: float = 1.0  # logits / temperature before log-probs: match the rollout's
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float = 0.2  # PPO clip: ratios below 1 - this are clipped
     clip_ratio_high: float | None = None  # None: = clip_ratio_low
     dual_clip_c: float | None = None  # > 1 enables dual-clip
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # > 0: an entropy bonus, - coef * entropy in the loss
     kl_loss_coef: float = 0.0  # > 0: KL to the reference as a loss term (GRPO)
     kl_loss_type: str = "k3"  # k1 | k2 | k3 | abs | k1+ | k3+ (or kl | mse | low_var_kl)
     old_logprob_key: str = "old_logprobs"  # e.g. rollout_logprobs to use the sampler's
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"  # the objective (hybridflow.algos)
+    # TrainOptions' modes plus seq-mean-token-sum-norm (Dr. GRPO: / loss_norm_len)
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
@@ -108,10 +109,10 @@ class ActorOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions):
     rollout_logprob_key: str = "rollout_logprobs"  # the sampler's log-probs (mu)
     rollout_is_cap: float = 2.0  # TIS: token weights truncated at this C
     rollout_mis_low: float = 0.5  # MIS: keep sequences whose ratio is in [low, high]
-    rollout_mis_high: float = 2.0
+    rollout_mis_high: float = 2.0  # MIS: the upper end of that range
     rollout_role: str = "rollout"  # colocated role that `reshard` writes into
-    weight_bucket_mb: float = 64.0
-    gradient_checkpointing: bool = False
+    weight_bucket_mb: float = 64.0  # reshard/export buckets hold whole parameters up to this
+    gradient_checkpointing: bool = False  # recompute activations in backward (transformers')
 
     def validate(self, path: str) -> None:
         ModelOptions.validate(self, path)

@@ -49,8 +49,8 @@ from hybridflow.stages.contract import OpSpec, RoleBase
 
 @dataclass(frozen=True)
 class OpCost:
-    ms_per_sample: float = 0.0
-    ms_per_task: float = 0.0
+    ms_per_sample: float = 0.0  # cost per input row of a micro-batch op
+    ms_per_task: float = 0.0  # fixed cost per task, micro-batch or step op
 
     def validate(self, path: str) -> None:
         for key in ("ms_per_sample", "ms_per_task"):
@@ -69,11 +69,12 @@ class Injection:
 
 @dataclass(frozen=True)
 class SyntheticOptions(OpCost):
-    work: Literal["sleep", "busy"] = "sleep"
+    work: Literal["sleep", "busy"] = "sleep"  # sleep: an idle wait (GPU time); busy: spin
     ops: dict[str, OpCost] = field(default_factory=dict)  # per-op cost overrides
-    output_len: int = 4
-    fail_at: Injection | None = None
-    die_at: Injection | None = None
+    output_len: int = 4  # width of `*_ids` / `*_mask` outputs
+    fail_at: Injection | None = None  # {op, step, mb_id}: raise there ({op: setup}: in setup)
+    die_at: Injection | None = None  # {op, step, mb_id}: SIGKILL this process there
+    # ops that raise if their first input's first column is not increasing across calls
     expect_ordered: list[str] = field(default_factory=list)
 
     def validate(self, path: str) -> None:

@@ -59,17 +59,19 @@ LossFn = Callable[[Batch], tuple[torch.Tensor, int, dict[str, float]]]
 class TrainOptions:
     """Optimizer, schedule and update-structure options (actor and critic)."""
 
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    lr: float = 1e-5  # AdamW learning rate (the peak, with a schedule)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's moment decay rates
+    eps: float = 1e-8  # AdamW's denominator epsilon
     warmup_steps: int = 0  # linear warm-up over this many optimizer_step calls
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after the warm-up
     total_steps: int = 0  # steps of the decay (cosine/linear); required by them
     min_lr_ratio: float = 0.0  # floor of the decay, as a share of lr
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over the step's micro-batches, one optimizer update each
     mini_batches: int = 1  # optimizer updates per epoch
+    # How per-token losses reduce to one: token-mean (over every valid token),
+    # seq-mean-token-sum / seq-mean-token-mean (per sequence, then over sequences)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     forward_batch_size: int = 0  # rows per forward/backward (0: the whole micro-batch)
 

@@ -53,18 +53,18 @@ Batch = dict[str, torch.Tensor]
 
 @dataclass
 class SFTOptions:
-    source: str = ""
-    tokenizer: str | None = None
-    model: str | None = None
-    task_size: int = 1024
-    prompt_key: str = "prompt"
+    source: str = ""  # .jsonl / .json / .parquet / datasets directory / task:NAME
+    tokenizer: str | None = None  # "builtin" or a tokenizer directory
+    model: str | None = None  # or: use this model's tokenizer (directory or preset)
+    task_size: int = 1024  # pairs generated for task:NAME sources
+    prompt_key: str = "prompt"  # a string, or a list of {role, content} chat messages
     response_key: str = "response"  # a field name, or a dotted path: "extra_info.answer"
     response_mask_key: str = "response_mask"  # with token-id responses (module docstring)
     chat_template: Literal["auto", "never"] = "auto"  # as DataOptions: the RL prompts'
     max_prompt_length: int = 256  # tokens; as DataOptions
-    truncation: Literal["error", "left", "right"] = "error"
+    truncation: Literal["error", "left", "right"] = "error"  # as DataOptions
     split: str | None = None  # for a datasets directory with several splits
-    shuffle: bool = True
+    shuffle: bool = True  # a seeded new order every epoch; False: the source's order
 
     def validate(self, path: str) -> None:
         if not self.source:

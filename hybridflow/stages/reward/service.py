@@ -78,13 +78,13 @@ log = logging.getLogger("hybridflow.stages.reward")
 @dataclass(frozen=True, kw_only=True)
 class HttpOptions(ClientConfig):
     url: str  # http://host:port/score
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # "builtin" or a directory: also send decoded text
 
 
 @dataclass(frozen=True, kw_only=True)
 class ZmqOptions(ClientConfig):
     endpoint: str  # tcp://host:port
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # "builtin" or a directory: also send decoded text
 
 
 class _ServiceReward(RoleBase):

@@ -97,16 +97,16 @@ _MSGPACK = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 class RemoteEnvOptions:
     """RemoteEnv's `env_options` (module docstring)."""
 
-    url: str = ""
+    url: str = ""  # http://host:port/env, or tcp://host:port for ZeroMQ
     protocol: str = ""  # "" = from the url: http(s):// -> http, tcp:// / ipc:// -> zmq
-    timeout_s: float = 10.0
-    retries: int = 3
-    backoff_s: float = 0.2
-    backoff_max_s: float = 5.0
+    timeout_s: float = 10.0  # per attempt
+    retries: int = 3  # attempts = retries + 1, with the same session_id / step_id
+    backoff_s: float = 0.2  # first retry waits ~backoff_s, doubling each time, with jitter
+    backoff_max_s: float = 5.0  # cap of one backoff wait
     token_env: str | None = None  # the variable holding the HTTP bearer token
     on_failure: Any = "fail"  # "fail" | {"fallback": number}
     max_connections: int = 64  # HTTP connections per service, all trajectories together
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger replies are protocol errors
 
     @property
     def scheme(self) -> str:
