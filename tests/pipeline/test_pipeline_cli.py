@@ -3,6 +3,7 @@ codes, one-line errors, and Ctrl-C (SIGINT to the launching process) with no orp
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -126,35 +127,72 @@ def test_bad_config_exits_2_with_one_line(tmp_path, capsys):
     assert err == ["hybridflow: error: stages.reward.replicas: must be >= 1, got 0"]
 
 
-def _children(pid: int) -> dict[int, str]:
-    """Stage processes (by command line) whose parent is `pid`."""
-    out = {}
+def _ppid_and_comm(pid: int) -> tuple[int, str]:
+    with open(f"/proc/{pid}/stat") as f:
+        head, rest = f.read().rsplit(")", 1)
+    return int(rest.split()[1]), head.split("(", 1)[1]
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Every process below `root` -> its comm (stage processes are `hf-<stage>-<replica>`;
+    forked ones sit under the fork server, `hf-forkserver`)."""
+    tree: dict[int, list[tuple[int, str]]] = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
+        pid = int(stat.split("/")[2])
         try:
-            with open(stat) as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != pid:
-                continue
-            with open(stat.replace("stat", "cmdline"), "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode()
+            ppid, comm = _ppid_and_comm(pid)
         except (OSError, ValueError, IndexError):
             continue
-        if "hybridflow.pipeline.runtime.launcher" in cmd:
-            out[int(stat.split("/")[2])] = cmd
+        tree.setdefault(ppid, []).append((pid, comm))
+    out, todo = {}, [root]
+    while todo:
+        for pid, comm in tree.get(todo.pop(), []):
+            out[pid] = comm
+            todo.append(pid)
     return out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_interrupting_the_launcher_exits_130_and_leaves_nothing(tmp_path, sig):
+def _stages(root: int) -> dict[int, str]:
+    """Stage processes below `root` -> "<stage>/<replica>", from their process title."""
+    return {
+        pid: "/".join(comm[3:].rsplit("-", 1))
+        for pid, comm in _descendants(root).items()
+        if comm.startswith("hf-") and comm != "hf-forkserver"
+    }
+
+
+def _run_id(pids) -> str:
+    """A fresh interpreter's command line ends `... launcher NAME RUN_ID`."""
+    with open(f"/proc/{next(iter(pids))}/cmdline", "rb") as f:
+        return f.read().split(b"\0")[-2].decode()
+
+
+def _shm_and_ipc() -> set[str]:
+    return set(glob.glob("/dev/shm/hybridflow-*")) | set(
+        glob.glob(os.path.join(tempfile.gettempdir(), "hf-*-*"))
+    )
+
+
+# SIGINT with stage processes forked from the fork server (the default), SIGTERM with a
+# fresh interpreter per stage (HYBRIDFLOW_FORKSERVER=0): both launch paths, once each.
+@pytest.mark.parametrize(
+    ("sig", "forked"),
+    [(signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["SIGINT-forked", "SIGTERM-fresh"],
+)
+def test_interrupting_the_launcher_exits_130_and_leaves_nothing(tmp_path, sig, forked):
     data = small_topology(tmp_path, steps=500)
     f = tmp_path / "t.yaml"
     f.write_text(yaml.safe_dump(data, sort_keys=False))
     metrics = tmp_path / "run" / "metrics.jsonl"
+    env = dict(os.environ, HYBRIDFLOW_FORKSERVER="1" if forked else "0")
+    before = _shm_and_ipc()
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridflow", "run", str(f)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=tmp_path,
+        env=env,
         preexec_fn=interruptible,
     )
     try:
@@ -163,17 +201,11 @@ def test_interrupting_the_launcher_exits_130_and_leaves_nothing(tmp_path, sig):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "run never got going"
             time.sleep(0.1)
-        kids = _children(proc.pid)
-        assert len(kids) == 3
-        # python -P -m hybridflow.pipeline.runtime.launcher NAME RUN_ID
-        names = [
-            cmd.split("hybridflow.pipeline.runtime.launcher")[1].split()[0] for cmd in kids.values()
-        ]
-        assert sorted(names) == [
-            "actor/0",
-            "reward/0",
-            "rollout/0",
-        ]
+        kids = _stages(proc.pid)
+        assert sorted(kids.values()) == ["actor/0", "reward/0", "rollout/0"]
+        everyone = _descendants(proc.pid)
+        assert ("hf-forkserver" in everyone.values()) == forked
+        run_id = "" if forked else _run_id(kids)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -182,41 +214,46 @@ def test_interrupting_the_launcher_exits_130_and_leaves_nothing(tmp_path, sig):
             proc.communicate()
     assert proc.returncode == 130, err.decode()
     assert err.decode().strip().splitlines()[-1] == "hybridflow: interrupted"
-    run_id = next(iter(kids.values())).split(".launcher ")[1].split()[1]  # after NAME
-    assert not leftovers(run_id, list(kids))
+    if run_id:
+        assert not leftovers(run_id, list(kids))
+    assert not [pid for pid in everyone if os.path.exists(f"/proc/{pid}")]
+    assert not _shm_and_ipc() - before
     assert not os.path.exists(f"/proc/{proc.pid}")
 
 
 def test_stages_die_with_a_killed_launcher(tmp_path):
-    """kill -9 of the coordinator process: no teardown code runs, yet no stage survives
-    (PR_SET_PDEATHSIG in each child)."""
+    """kill -9 of the coordinator process: no teardown code runs, yet no stage survives:
+    PR_SET_PDEATHSIG ties the fork server to the launcher, and each stage to the server."""
     f = tmp_path / "t.yaml"
     f.write_text(yaml.safe_dump(small_topology(tmp_path, steps=500), sort_keys=False))
     metrics = tmp_path / "run" / "metrics.jsonl"
+    before = _shm_and_ipc()
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridflow", "run", str(f)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=tmp_path,
+        env=dict(os.environ, HYBRIDFLOW_FORKSERVER="1"),
     )
     try:
         deadline = time.monotonic() + 90
         while not (metrics.exists() and metrics.read_text().strip()):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        kids = _children(proc.pid)
-        assert len(kids) == 3
+        everyone = _descendants(proc.pid)
+        assert len(_stages(proc.pid)) == 3
+        assert "hf-forkserver" in everyone.values()
     finally:
         proc.kill()
         proc.wait()
     deadline = time.monotonic() + 10
-    while any(os.path.exists(f"/proc/{pid}") for pid in kids) and time.monotonic() < deadline:
+    while any(os.path.exists(f"/proc/{pid}") for pid in everyone) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [pid for pid in kids if os.path.exists(f"/proc/{pid}")]
+    assert not [pid for pid in everyone if os.path.exists(f"/proc/{pid}")]
     # Nobody was left to clean up after a SIGKILLed coordinator: do it for this test.
-    from hybridflow.transport import shm
-
-    run_id = next(iter(kids.values())).split(".launcher ")[1].split()[1]  # after NAME
-    shm.sweep(run_id)
-    for d in glob.glob(os.path.join(tempfile.gettempdir(), f"hf-{run_id[:8]}-*")):
-        shutil.rmtree(d, ignore_errors=True)
+    for path in _shm_and_ipc() - before:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)

@@ -1,10 +1,13 @@
 """Process placement behind a small interface: start specs, watch them, stop them.
 
 `Launcher` is the seam between the coordinator and wherever stage processes run. The
-`LocalLauncher` starts one fresh Python interpreter per spec on this host (fork+exec:
+`LocalLauncher` starts one process per spec on this host, never a fork of the caller:
 nothing of the parent's state survives, so CUDA works; and unlike multiprocessing's
 spawn, the parent's `__main__` is never re-imported, so any script may start a run
-without an `if __name__ == "__main__"` guard). A
+without an `if __name__ == "__main__"` guard. On Linux each is a fork of this process's
+fork server (host/forkserver.py: a fresh interpreter that did the ~8 s of torch and
+transformers imports once); with HYBRIDFLOW_FORKSERVER=0, or if the server fails, a
+fresh interpreter per spec (fork+exec). A
 multi-host launcher (on an existing cluster engine) implements the same four methods;
 the coordinator never learns which.
 
@@ -15,22 +18,21 @@ Invariants of the LocalLauncher:
   - the child runs `python -P`: the working directory is not on its sys.path;
   - a child never outlives this process: PR_SET_PDEATHSIG(SIGKILL) is armed first thing
     in the child, which then checks the parent did not die before that (the stage also
-    watches its parent pid in its heartbeat loop);
+    watches its parent pid in its heartbeat loop); a forked child is tied so to the fork
+    server, and the server to this process;
   - children ignore SIGINT: Ctrl-C in a terminal reaches the whole process group, and
     the coordinator alone decides the teardown order;
   - `stop()` is idempotent and escalates: wait (the caller sent Shutdown already) ->
     SIGTERM -> SIGKILL, then reaps every child, so nothing is left, not even a zombie;
-  - a child shows as `hf-<stage>-<replica>` in `ps -o comm` / top (/proc/<pid>/comm) and
-    as `python -P -m hybridflow.pipeline.runtime.launcher <stage>/<replica> <run_id>` in
-    `ps aux`.
+  - a child shows as `hf-<stage>-<replica>` in `ps -o comm` / top (/proc/<pid>/comm);
+    a fresh one as `python -P -m hybridflow.pipeline.runtime.launcher <stage>/<replica>
+    <run_id>` in `ps aux`, a forked one with the fork server's command line
+    (`... hybridflow.pipeline.host.forkserver ...`), whose `comm` is `hf-forkserver`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import importlib
 import json
 import logging
 import os
@@ -43,13 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from hybridflow.transport import curve
+from hybridflow.pipeline.host import forkserver
 
 log = logging.getLogger(__name__)
 
 _CHILD_MODULE = "hybridflow.pipeline.runtime.launcher"
-_PR_SET_NAME = 15
-_PR_SET_PDEATHSIG = 1
 
 
 # `init_method` of a replicated stage's processes when the launcher, not the session,
@@ -111,15 +111,25 @@ class Launcher(Protocol):
 class LocalLauncher:
     """One OS process (a fresh interpreter) per spec on this host."""
 
-    def __init__(self) -> None:
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+    def __init__(self, *, use_forkserver: bool | None = None) -> None:
+        self._procs: dict[str, Child] = {}
+        self._fork = forkserver.enabled() if use_forkserver is None else use_forkserver
 
     def start(self, specs: Sequence[ProcessSpec]) -> None:
         for spec in specs:
             if spec.name in self._procs:
                 raise ValueError(f"process {spec.name!r} started twice")
-            self._procs[spec.name] = proc = spawn_child(spec)
+            self._procs[spec.name] = proc = self._spawn(spec)
             log.debug("started %s pid %d", spec.name, proc.pid)
+
+    def _spawn(self, spec: ProcessSpec) -> Child:
+        if self._fork:
+            try:
+                return fork_child(spec)
+            except forkserver.ForkServerError as exc:
+                log.warning("%s; starting fresh interpreters instead", exc)
+                self._fork = False
+        return spawn_child(spec)
 
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self._procs.items()}
@@ -151,6 +161,46 @@ class LocalLauncher:
         return [ProcessExit(n, p.pid, p.returncode) for n, p in procs]
 
 
+class Child(Protocol):
+    """What the LocalLauncher needs of a started process: a `subprocess.Popen`, or a
+    child of the fork server (`forkserver.ForkedProcess`)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def _child_env(spec: ProcessSpec, drop_env: Sequence[str] = ()) -> dict[str, str]:
+    # The child imports the same hybridflow as this process, wherever it came from.
+    root = str(Path(__file__).resolve().parents[3])  # the dir holding hybridflow/
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
+    env.update(spec.env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _header(spec: ProcessSpec) -> dict[str, Any]:
+    return {
+        "target": spec.target,
+        "payload": spec.payload,
+        "parent_pid": os.getpid(),
+        "title": spec.title,
+    }
+
+
+def fork_child(spec: ProcessSpec) -> forkserver.ForkedProcess:
+    """Start the child of `spec` as a fork of this process's fork server (its imports
+    already done; see host/forkserver.py). Raises ForkServerError if the server fails."""
+    return forkserver.shared().spawn(_header(spec), _child_env(spec), pass_fds=spec.pass_fds)
+
+
 def spawn_child(
     spec: ProcessSpec, *, cwd: str | None = None, drop_env: Sequence[str] = ()
 ) -> subprocess.Popen[bytes]:
@@ -158,11 +208,7 @@ def spawn_child(
     to it) and hand it its header on stdin. The one way a stage process is started, by
     the LocalLauncher here and by the Ray launcher's per-process actor on its node.
     `drop_env`: variables of this process the child must not inherit."""
-    # The child imports the same hybridflow as this process, wherever it came from.
-    root = str(Path(__file__).resolve().parents[3])  # the dir holding hybridflow/
-    env = {k: v for k, v in os.environ.items() if k not in drop_env}
-    env.update(spec.env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env = _child_env(spec, drop_env)
     run = str(spec.payload.get("run_id", ""))
     # -P: no working directory on sys.path, so a `json.py` where the run was started
     # is never imported in place of the real one (PYTHONPATH still applies).
@@ -174,12 +220,7 @@ def spawn_child(
         close_fds=True,
         pass_fds=spec.pass_fds,
     )
-    header = {
-        "target": spec.target,
-        "payload": spec.payload,
-        "parent_pid": os.getpid(),
-        "title": spec.title,
-    }
+    header = _header(spec)
     assert proc.stdin is not None
     try:
         proc.stdin.write(json.dumps(header).encode())
@@ -189,7 +230,7 @@ def spawn_child(
     return proc
 
 
-def _wait(p: subprocess.Popen[bytes], seconds: float) -> None:
+def _wait(p: Child, seconds: float) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         p.wait(max(0.0, seconds))
 
@@ -199,51 +240,9 @@ def _wait(p: subprocess.Popen[bytes], seconds: float) -> None:
 
 
 def _child_main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     header = json.loads(sys.stdin.buffer.read())
     sys.stdin.close()
-    if os.getppid() != header["parent_pid"]:  # the parent died before PDEATHSIG was armed
-        os._exit(1)
-    if header.get("title"):
-        set_process_name(header["title"])
-    # The run's CurveZMQ keys (transport/curve.py), if its sockets leave loopback: installed
-    # for every socket of this process, and kept out of the target's payload.
-    keys = header["payload"].pop("curve", None) if isinstance(header["payload"], dict) else None
-    if keys:
-        curve.install(curve.CurveKeys.from_payload(keys))
-    module, func = header["target"].split(":")
-    code = 1
-    try:
-        code = int(getattr(importlib.import_module(module), func)(header["payload"]) or 0)
-    except BaseException:
-        logging.getLogger("hybridflow.stage").exception("stage process failed")
-    finally:
-        # Like multiprocessing's children, leave with os._exit: the target released its
-        # resources itself (roles, sockets, shm), and interpreter finalization of the
-        # native libraries (zmq, torch) was seen to spin forever now and then.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def set_process_name(title: str) -> None:
-    """The name shown by `ps -o comm`, `top` and /proc/<pid>/comm (Linux keeps 15 bytes)."""
-    _prctl(_PR_SET_NAME, ctypes.create_string_buffer(title.encode()[:15]))
-
-
-_libc: Any = None
-
-
-def _prctl(option: int, arg: Any) -> None:
-    global _libc
-    if not sys.platform.startswith("linux"):
-        return
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if _libc.prctl(option, arg, 0, 0, 0) != 0:
-        log.warning("prctl(%d) failed: errno %d", option, ctypes.get_errno())
+    forkserver.run_child(header)
 
 
 if __name__ == "__main__":
