@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 VENV_VLLM ?= .venv-vllm
 
-.PHONY: demo test test-unit test-examples test-learning test-vllm lint bench clean
+.PHONY: demo test test-unit test-examples test-learning test-vllm lint docs docs-check bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,10 +21,14 @@ $(VENV)/.dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev,ray]"
 	touch $@
 
+$(VENV)/.docs: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
 demo: $(VENV)/.installed
 	$(PY) -m hybridflow demo
 
-test: lint test-unit test-examples test-vllm
+test: lint docs-check test-unit test-examples test-vllm
 
 # The main suite; `--durations` lists the slowest tests in CI's output. Tests marked
 # `slow` (real processes, several seconds each) are part of it on purpose: they are the
@@ -48,13 +52,25 @@ test-vllm:
 	$(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider tests/rollout_vllm
 
 lint: $(VENV)/.dev
-	$(VENV)/bin/ruff check hybridflow tests bench examples
-	$(VENV)/bin/ruff format --check hybridflow tests bench examples
+	$(VENV)/bin/ruff check hybridflow tests bench examples scripts
+	$(VENV)/bin/ruff format --check hybridflow tests bench examples scripts
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
+
+# The docs site (mkdocs + Material, mkdocs.yml): `make docs` builds it into site/ (open
+# site/index.html); the reference pages are generated from the code at every build.
+# `docs-check` is the strict build `make test` runs: a broken link or anchor, a page
+# missing from the nav or an option without a doc fails it. Seconds, and offline. (Not
+# `mkdocs -q`: quiet mode hides the warnings from --strict too, and it then passes.)
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+docs: $(VENV)/.docs
+	$(MKDOCS) build -d site
+
+docs-check: $(VENV)/.dev
+	tmp=$$(mktemp -d) && $(MKDOCS) build --strict -d "$$tmp"; rc=$$?; rm -rf "$$tmp"; exit $$rc
 
 bench: $(VENV)/.installed
 	$(PY) -m hybridflow bench transport --json
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_VLLM) runs site .pytest_cache
