@@ -240,7 +240,7 @@ class OpConfig:
     `phase` names the op in `timing/<phase>` metrics and groups ops for sequential mode.
     `timeout_s` bounds one task of this op: a task not answered within it ends the run with
     an error naming stage, op, step and this key. Unset, the op's default applies (the
-    table in pipeline/runtime/watch/deadlines.py and the README: a reward `score` 10 min,
+    table in pipeline/runtime/watch/deadlines.py and docs/reliability.md: a reward `score` 10 min,
     `generate` 30 min, ...; `liveness.task_timeout_s` for ops the table does not know).
     """
 

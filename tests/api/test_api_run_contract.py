@@ -27,7 +27,7 @@ GENERATE_AND_SCORE = """
 response = actor.generate(prompt)
 reward_score = reward.score(prompt, response)
 """
-# The README's PPO logic (KL as a penalty in the reward, measured by the update).
+# The PPO logic of docs/guide/python-api.md (KL as a penalty in the reward, measured by the update).
 PPO = """
 response = actor.generate(prompt)
 reward_score = reward.score(prompt, response)

@@ -1,6 +1,6 @@
 """Who waits on whom, and for how long it may: the per-op default deadlines (one table,
-pipeline/runtime/watch/deadlines.py, the README's) and the waiting lines the coordinator logs
-while anything is awaited longer than `liveness.report_interval_s`.
+pipeline/runtime/watch/deadlines.py, docs/reliability.md's) and the waiting lines the
+coordinator logs while anything is awaited longer than `liveness.report_interval_s`.
 
 The process test is the issue's case: a deadlocked reward function with no `timeout_s`
 of its own prints the waiting line first, naming stage, op, step, micro-batch, the last
@@ -58,8 +58,8 @@ def test_each_op_gets_its_own_default_and_timeout_s_still_wins():
     assert driver.note == "unset: the default for driver ops"
 
 
-def test_the_readme_table_is_the_code_table():
-    text = (REPO / "README.md").read_text()
+def test_the_docs_table_is_the_code_table():
+    text = (REPO / "docs" / "reliability.md").read_text()
     rows = dict(re.findall(r"^\| ((?:`\w+`(?:, )?)+) \| (\d+) min \|", text, re.M))
     found: dict[str, float] = {}
     for ops, minutes in rows.items():
