@@ -401,6 +401,14 @@ class MetricsConfig:
     # tensorboard, plot, wandb, mlflow, memory, null; several at once.
     backends: tuple[str, ...] = ("jsonl",)
     options: TrackerOptions = field(default_factory=TrackerOptions)  # wandb / mlflow names
+    # Generations per step written to <run_dir>/samples.jsonl (with the jsonl backend):
+    # prompt, response, reward, the scorer's fields, and each turn of a multi-turn
+    # trajectory; a validation adds as many marked split "val". `hybridflow view` shows
+    # them. 0: none.
+    samples_per_step: int = 4
+
+    def validate(self, path: str) -> None:
+        _at_least(self.samples_per_step, 0, _join(path, "samples_per_step"))
 
 
 @dataclass(frozen=True)

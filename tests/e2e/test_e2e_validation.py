@@ -115,6 +115,16 @@ def test_verl_data_reward_validation_rows_and_eval_on_the_checkpoint(verl_job):
     assert first["prompt"].startswith("last:") and first["data_source"] == "test/last_digit"
     assert first["ground_truth"] == first["prompt"].rstrip("=")[-1]
     assert first["acc"] == float(first["pred"] == first["ground_truth"])
+    # samples.jsonl (metrics.samples_per_step, 4): the scorer's fields reach the training
+    # samples too, though the dataflow's score op declares `rewards` alone.
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    assert [(s["split"], s["step"]) for s in samples] == [("val", 0)] * 4 + [("train", 0)] * 4 + [
+        ("train", 1)
+    ] * 4 + [("val", 2)] * 4 + [("train", 2)] * 4 + [("val", 3)] * 4
+    for s in samples:
+        assert s["data_source"] == "test/last_digit" and s["acc"] == float(
+            s["pred"] == s["ground_truth"]
+        )
 
     # `hybridflow eval` on the final checkpoint: the same policy, prompts and sampling
     # seeds (from (seed, job step, micro-batch)), so the same scores as the run's own

@@ -142,6 +142,8 @@ class ConsoleSink:
             )
         files = {
             "metrics": self.run_dir / "metrics.jsonl" if "jsonl" in self.backends else None,
+            # beside metrics.jsonl (observe/samples.py); `hybridflow view RUN_DIR` reads both
+            "samples": self.run_dir / "samples.jsonl" if "jsonl" in self.backends else None,
             "tensorboard": self.run_dir if "tensorboard" in self.backends else None,
             "plot": self.run_dir / PLOT_FILE if "plot" in self.backends else None,
             "wandb": self.run_dir / "wandb" if "wandb" in self.backends else None,

@@ -38,6 +38,8 @@ Built-in sinks:
   console      a rich progress bar over steps, one line of key metrics per step, and a
                summary at the end (first/last 10% reward, the files written)
   plot         <run_dir>/plot.png at the end: reward, response length and KL per step
+  (samples)    with jsonl and metrics.samples_per_step > 0, <run_dir>/samples.jsonl: a
+               few generations per step as text (samples.py); not named in backends
   memory       rows kept in memory (tests, benchmarks, the Python API)
   null         discards everything
 """
@@ -121,6 +123,11 @@ def make_sinks(
                     f"metrics.backends[{i}]",
                     f"the {name!r} sink could not start: {type(exc).__name__}: {exc}",
                 ) from exc
+        wanted = topology.metrics.samples_per_step if topology is not None else 0
+        if wanted and "jsonl" in names:  # samples.jsonl beside metrics.jsonl (samples.py)
+            from hybridflow.pipeline.observe.samples import SamplesSink
+
+            sinks.append(SamplesSink(run_dir, wanted, topology, start_step))
     except BaseException:
         for sink in sinks:  # the ones already open (files, tracker runs) are closed
             with contextlib.suppress(Exception):

@@ -15,7 +15,8 @@ Which loop waits for what, and who unblocks it:
     dispatch loop  waits on `wake`; then: request data, take every ready task from the
                    scheduler (pipeline/scheduler.py holds all ordering rules), send
                    Tasks / start driver tasks, hand finished steps to the metrics sinks
-                   (io thread), and resolves `done` after the last step.
+                   and their sample rows to the sample sinks (io thread: decoding and
+                   writing), and resolves `done` after the last step.
 
     liveness loop  every tick: launcher.poll() (a process exited -> StageDeadError) and
                    heartbeat ages (> liveness.heartbeat_timeout_s -> StageDeadError);
@@ -75,6 +76,7 @@ from hybridflow.pipeline.checkpoint.store import Checkpointer, load_drivers, sav
 from hybridflow.pipeline.compiler.plan import Plan, ProcessInfo
 from hybridflow.pipeline.driver.registry import resolve_driver_op
 from hybridflow.pipeline.observe.metrics import MetricsSink
+from hybridflow.pipeline.observe.samples import sample_sinks, samples_wanted
 from hybridflow.pipeline.runtime.launcher import Launcher
 from hybridflow.pipeline.runtime.peers import StagePeer, check_deadlines, check_liveness
 from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Dispatch, Event, Scheduler
@@ -158,6 +160,11 @@ class Coordinator:
         self.run_id = run_id
         self.sched = Scheduler(plan, start_step=start_step)
         self.sched.collect = collect
+        # A few rows of every step, decoded with the data source's tokenizer and written
+        # by the sinks that take samples (observe/samples.py), in the io thread.
+        self.sched.sample_rows = samples_wanted(sinks)
+        self._sample_sinks = sample_sinks(sinks)
+        self._tokenizer = getattr(source, "tokenizer", None)
         self.checkpointer = checkpointer
         self.checkpoints: list[str] = []  # directories committed by this run
         self._saving = 0  # checkpoints in progress
@@ -574,6 +581,10 @@ class Coordinator:
             if self.checkpointer is not None and self.checkpointer.due(step):
                 self._saving += 1
                 self._spawn(self._checkpoint(step), f"coordinator.checkpoint.{step}")
+        for step, rows in self.sched.pop_samples():
+            for s in self._sample_sinks:
+                write = loop.run_in_executor(self._io, s.write_samples, step, rows, self._tokenizer)
+                self._sink_writes.append(write)
 
     # -- checkpoints -----------------------------------------------------------------
     async def _checkpoint(self, step: int) -> None:

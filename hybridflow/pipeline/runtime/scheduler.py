@@ -34,6 +34,10 @@ when all ranks answered, its outputs concatenated in rank order. Its metrics are
 lowest rank's alone: a sharded role reports numbers that are already global (the trainer
 all-reduces its sums), so summing or averaging N copies would only distort counters.
 
+Samples (`sample_rows = n > 0`, observe/samples.py): each step picks n rows at its start;
+a micro-batch op's undeclared SAMPLE_FIELDS outputs are kept for those rows alone, and a
+finished step's rows come out of `pop_samples()` beside its metrics.
+
 Resuming (`start_step = r`): steps r, r+1, ... run as if steps 0..r-1 had finished
 (`policy_version = r`). `hold = h` (set by the coordinator while it checkpoints) keeps
 steps >= h from starting, so a checkpoint sees every role between two steps.
@@ -51,6 +55,13 @@ import torch
 from hybridflow.errors import PipelineError, StageError
 from hybridflow.pipeline.compiler.plan import DATA, Plan, PlannedOp
 from hybridflow.pipeline.observe.metrics import derive_step_metrics, reduce_step_metric
+from hybridflow.pipeline.observe.samples import (
+    SAMPLE_FIELDS,
+    SampleRow,
+    pick_rows,
+    sample_fields_extra,
+    take_rows,
+)
 
 Batch = dict[str, torch.Tensor]
 DRIVER_REPLICA = -1
@@ -94,6 +105,7 @@ class _Task:
     pending: set[int]
     outputs: Batch | None = None
     parts: dict[int, Batch] = field(default_factory=dict)  # sharded: rank -> its outputs
+    raw: dict[int, Batch] = field(default_factory=dict)  # replica -> undeclared sample values
 
 
 @dataclass
@@ -115,6 +127,8 @@ class _Step:
     compute: dict[str, float] = field(default_factory=dict)
     head_versions: list[int] = field(default_factory=list)
     ops_left: int = 0
+    picks: list[tuple[int, int]] = field(default_factory=list)  # sample rows: (mb, row)
+    mb_extra: list[Batch] = field(default_factory=list)  # per mb: undeclared sample values
     # step op -> padded trailing shape of a ragged input it received -> each micro-batch's
     # own trailing shape (None: two inputs padded to that shape disagree per micro-batch)
     ragged: dict[int, dict[tuple[int, ...], list[tuple[int, ...]] | None]] = field(
@@ -157,6 +171,8 @@ class Scheduler:
         self.max_events = MAX_EVENTS
         self.collect: tuple[str, ...] = ()
         self.collected: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self.sample_rows = 0  # rows per step kept as samples (observe/samples.py)
+        self._samples_out: list[tuple[int, list[SampleRow]]] = []
         self._steps: dict[int, _Step] = {}
         self._data: dict[int, Batch] = {}
         self._requested = start_step  # steps [start, _requested) had their data requested
@@ -249,6 +265,9 @@ class Scheduler:
             st.mb_values = [
                 {k: v[m * b : (m + 1) * b] for k, v in data.items()} for m in range(self.n_mb)
             ]
+            if self.sample_rows:
+                st.picks = pick_rows(b, self.n_mb, self.sample_rows)
+                st.mb_extra = [{} for _ in range(self.n_mb)]
             self._steps[s] = st
             self._started += 1
             self._log(Event(st.t_start, "start", s, -1, -1, -1, self.policy_version))
@@ -425,6 +444,12 @@ class Scheduler:
                     step=t.step,
                     mb_id=t.mb_id,
                 )
+            if self.sample_rows and not op.is_step:
+                t.raw[replica] = {
+                    n: v
+                    for n, v in outputs.items()
+                    if n in SAMPLE_FIELDS and n not in op.cfg.outputs
+                }
             if op.sharded:
                 t.parts[replica] = {n: outputs[n] for n in op.cfg.outputs}
             else:  # a step op runs on every replica; the lowest speaks for all
@@ -450,6 +475,8 @@ class Scheduler:
             st.done[j] = 1
         else:
             st.mb_values[t.mb_id].update(t.outputs)
+            if st.picks:
+                self._keep_sample_values(st, t)
             st.mb_done[j][t.mb_id] = True
             st.done[j] += 1
         st.phase_t1[phase] = now
@@ -477,6 +504,9 @@ class Scheduler:
             derive_step_metrics(metrics, self.step_batch)  # reward/std, perf/*
             if self.collect:
                 self.collected[st.step] = self._collect(st)
+            if st.picks:
+                rows = take_rows(st.picks, st.mb_values, st.mb_extra, self.micro_batch)
+                self._samples_out.append((st.step, rows))
             del self._steps[st.step]
             self._finished += 1
             self.policy_version = self._finished
@@ -499,6 +529,28 @@ class Scheduler:
     def pop_finished(self) -> list[tuple[int, dict[str, float]]]:
         out, self._finished_out = self._finished_out, []
         return out
+
+    def pop_samples(self) -> list[tuple[int, list[SampleRow]]]:
+        """The sample rows of the steps finished since the last call (module docstring)."""
+        out, self._samples_out = self._samples_out, []
+        return out
+
+    def _keep_sample_values(self, st: _Step, t: _Task) -> None:
+        """The picked rows of what micro-batch t.mb_id's op returned beyond its declared
+        outputs (a scorer's reward_info, a multi-turn rollout's num_turns)."""
+        rows = [r for m, r in st.picks if m == t.mb_id]
+        if not rows:
+            return
+        parts = [t.raw[r] for r in sorted(t.raw)]
+        if not parts or any(set(p) != set(parts[0]) for p in parts):
+            return  # ranks that disagree on what they returned: nothing to show
+        whole = (
+            parts[0]
+            if len(parts) == 1
+            else {n: concat_rows([p[n] for p in parts]) for n in parts[0]}
+        )
+        have = set(st.mb_values[t.mb_id]) | set(st.mb_extra[t.mb_id])
+        st.mb_extra[t.mb_id].update(sample_fields_extra(whole, have, rows, self.micro_batch))
 
     def inflight_tasks(self) -> dict[int, Any]:
         return dict(self._tasks)

@@ -19,7 +19,8 @@ whole run: one metrics.jsonl, one progress bar, one plot), the training data sou
 checkpointer (its schedule counts run steps).
 
 Invariant: the training rows equal those of the same run without validation; each
-validation row goes to the same sinks at its step, and into `RunResult.validation`.
+validation row goes to the same sinks at its step, and into `RunResult.validation`; its
+sample rows to the sample sinks (samples.jsonl, split "val").
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 from hybridflow.pipeline.checkpoint.store import Checkpointer
 from hybridflow.pipeline.compiler.plan import Plan, build_plan
 from hybridflow.pipeline.observe.metrics import MetricsSink
+from hybridflow.pipeline.observe.samples import sample_sinks, samples_wanted
 from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.validation import Validator
 from hybridflow.pipeline.sources.registry import create_source
@@ -79,10 +81,12 @@ def run_training(
                 startup_s = jobs[-1].startup_s if startup_s is None else startup_s
                 cursor = point
             if validator is not None and point in points:
-                metrics, job = validator.run(session, point)
+                metrics, job = validator.run(session, point, samples=samples_wanted(sinks))
                 startup_s = job.startup_s if startup_s is None else startup_s
                 for sink in sinks:
                     sink.write(point, metrics)
+                for s in sample_sinks(sinks):  # between jobs: no event loop runs now
+                    s.write_samples(point, validator.sample_rows, validator.tokenizer, "val")
                 rows.append({"step": float(point), **metrics})
     finally:
         source.close()

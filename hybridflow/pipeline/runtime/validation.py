@@ -8,7 +8,9 @@
                                       generate and score ops on every validation prompt,
                                       with the sampling overrides -> the `val/` metrics
                                       row (pipeline/observe/validation.py); sample
-                                      generations appended to val_generations.jsonl
+                                      generations appended to val_generations.jsonl,
+                                      and `samples` rows spread over the set kept in
+                                      `.sample_rows` (samples.jsonl's "val" lines)
 
 The validation dataflow is cut from the training one: every reward-kind role's `score`
 op and, walking back, the micro-batch ops that produce its inputs (the rollout's
@@ -57,6 +59,7 @@ from hybridflow.config.schema import (
 from hybridflow.data.batching import decode_metadata, unpad
 from hybridflow.errors import ConfigError, PipelineError
 from hybridflow.pipeline.compiler.plan import Plan, build_plan, role_classes
+from hybridflow.pipeline.observe.samples import SampleRow, ground_truth, row_of
 from hybridflow.pipeline.observe.validation import ValSample, validation_metrics
 from hybridflow.pipeline.sources.registry import create_source
 
@@ -205,11 +208,14 @@ class Validator:
                     "response_mask",
                     *(("reward_info",) if self._has("reward_info") else ()),
                     *(("num_turns",) if self._has("num_turns") else ()),
-                    *(("prompt_ids", "prompt_mask") if cfg.generations else ()),
+                    *(("env_reward",) if self._has("env_reward") else ()),  # for the samples
+                    "prompt_ids",  # for the generations file and the samples
+                    "prompt_mask",
                 )
             )
         )
         self.rows: list[dict[str, float]] = []
+        self.sample_rows: list[SampleRow] = []  # the last run's, for samples.jsonl
 
     def begin(self, start_step: int) -> None:
         """A fresh run (start 0) starts the generations file anew; a resumed one keeps
@@ -243,15 +249,16 @@ class Validator:
             out.add(end)
         return sorted(p for p in out if start <= p <= end)
 
-    def run(self, session: Any, step: int) -> tuple[dict[str, float], Any]:
+    def run(self, session: Any, step: int, samples: int = 0) -> tuple[dict[str, float], Any]:
         """Evaluate the policy the processes hold now; -> its `val/` row (logged at
-        `step`: the policy after `step` updates) and the job's RunResult."""
+        `step`: the policy after `step` updates) and the job's RunResult. `samples`: how
+        many sample rows, spread over the set, to keep in `self.sample_rows`."""
         t0 = time.perf_counter()
         res = session.run_job(
             self.plan, collect=self.collect, sinks=[], start_step=0, source=self.source
         )
-        samples, rows = self._samples(res.collected)
-        metrics = validation_metrics(samples, self.cfg.n)
+        scored, rows = self._samples(res.collected, samples)
+        metrics = validation_metrics(scored, self.cfg.n)
         metrics["val/time_s"] = time.perf_counter() - t0 - res.startup_s  # not the launch
         if self.cfg.generations:
             self._write_generations(step, rows[: self.cfg.generations])
@@ -259,12 +266,16 @@ class Validator:
         return metrics, res
 
     def _samples(
-        self, collected: dict[int, dict[str, list[torch.Tensor]]]
+        self, collected: dict[int, dict[str, list[torch.Tensor]]], keep: int = 0
     ) -> tuple[list[ValSample], list[dict[str, Any]]]:
         """Collected tensors -> one ValSample per validation sample (wrapped rows
-        dropped), and the raw per-sample fields the generations file needs."""
+        dropped), and the raw per-sample fields the generations file needs; `keep`
+        sample rows spread over the set go to `self.sample_rows`."""
         samples: dict[int, ValSample] = {}
         raw: dict[int, dict[str, Any]] = {}
+        keep = min(keep, self.samples)
+        wanted = {i * self.samples // keep for i in range(keep)} if keep else set()
+        kept: dict[int, SampleRow] = {}
         for step in sorted(collected):
             values = collected[step]
             for m in range(len(values["rewards"])):
@@ -296,11 +307,14 @@ class Validator:
                     )
                     if self.cfg.generations and len(raw) < self.cfg.generations:
                         raw[k] = {"part": part, "row": r, "meta": meta[r]}
+                    if k in wanted:
+                        kept[k] = row_of(part, r, len(part["rewards"]))
         missing = self.samples - len(samples)
         if missing:
             raise PipelineError(
                 "validation", f"{missing} of {self.samples} validation samples came back unscored"
             )
+        self.sample_rows = [kept[k] for k in sorted(kept)]
         return [samples[k] for k in sorted(samples)], [raw[k] | {"k": k} for k in sorted(raw)]
 
     def _write_generations(self, step: int, rows: list[dict[str, Any]]) -> None:
@@ -321,9 +335,7 @@ class Validator:
                 "prompt": decode(prompt, skip_special_tokens=True),
                 "response": decode(resp, skip_special_tokens=True),
                 "reward": float(part["rewards"][r]),
-                **(
-                    {"ground_truth": _ground_truth(meta)} if _ground_truth(meta) is not None else {}
-                ),
+                **({"ground_truth": ground_truth(meta)} if ground_truth(meta) is not None else {}),
                 **{k: v for k, v in info.items() if k not in ("step", "reward")},
             }
             lines.append(json.dumps(record, ensure_ascii=False) + "\n")
@@ -333,10 +345,3 @@ class Validator:
 
     def close(self) -> None:
         self.source.close()
-
-
-def _ground_truth(meta: dict[str, Any]) -> Any:
-    rm = meta.get("reward_model")
-    if isinstance(rm, dict) and "ground_truth" in rm:
-        return rm["ground_truth"]
-    return meta.get("answer")
