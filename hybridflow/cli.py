@@ -1,4 +1,4 @@
-"""`hybridflow` command line: run | validate | eval | status | bench | reward-serve |
+"""`hybridflow` command line: run | validate | eval | status | view | bench | reward-serve |
 env-serve | demo.
 
 Each subcommand's implementation is imported only when it is used, so `--help` and
@@ -149,6 +149,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     st.add_argument("run_dir", metavar="RUN_DIR", help="the run's run_dir (an Engine's log_dir)")
 
+    vw = sub.add_parser(
+        "view",
+        help="serve a local page of a run (curves, timing, sampled generations), live",
+    )
+    vw.add_argument("run_dir", metavar="RUN_DIR", help="the run's run_dir, e.g. runs/<name>")
+    vw.add_argument("--port", type=int, default=8600, help="port to listen on (0: any free one)")
+    vw.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default loopback; any other is warned about: no authentication)",
+    )
+
     d = sub.add_parser("demo", help="the built-in default job (what `make demo` runs)")
     d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return p
@@ -165,6 +177,7 @@ COMMANDS = {
     "validate": "hybridflow.pipeline.runtime.runner:cli_validate",
     "eval": "hybridflow.pipeline.runtime.evaluate:cli_eval",
     "status": "hybridflow.pipeline.runtime.watch.status:cli_status",
+    "view": "hybridflow.view.server:cli_view",
     "reward-serve": "hybridflow.reward.server:cli_serve",
     "env-serve": "hybridflow.stages.env.service.server:cli_serve",
     "demo": "hybridflow.demo:cli_demo",
