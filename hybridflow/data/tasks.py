@@ -12,6 +12,10 @@ Tasks (prompt -> ideal response):
       0.8 * (share of answer positions matched, whitespace ignored) + 0.2 if exact.
   parity       "parity:1011="  -> "odd"   odd/even number of 1s
       1.0 exact; 0.7 right word + trailing text; 0.2 wrong word ("odd"/"even" format).
+  word_problems  "Ann has 7 apples. ... after \"####\"."  -> "... #### 9"
+      1.0 if the first number after the last "####" (or of the response, without one)
+      is the answer, else 0: a benchmark task, whose prompts are as long as GSM8K's;
+      its answer comes from the metadata only.
 
 A random-init tiny model scores ~0.0-0.05 on each; `last_digit` climbs fastest (emitting
 a digit then stopping is worth 0.55 on average before any copying is learned).
@@ -41,6 +45,7 @@ class Task:
     score: Callable[[str, str], float]  # (response text, answer) -> reward in [0, 1]
     pattern: re.Pattern[str]  # finds the task's prompt in any text; group 1 = the input
     solve: Callable[[str], str]  # the input (pattern group 1) -> the answer
+    answer_in_prompt: bool = True  # False: only the metadata's `answer` gives the answer
 
     @property
     def reward_function(self) -> str:
@@ -122,6 +127,26 @@ def _score_last_digit(response: str, answer: str) -> float:
     return r
 
 
+# -- word_problems -------------------------------------------------------------------------
+
+
+def _sample_word_problem(rng: random.Random) -> tuple[str, str]:
+    # Imported here: word_problems is a data module of its own, needed by this task only.
+    from hybridflow.data import word_problems as wp
+
+    question, _, answer = wp.sample_problem(rng, wp.Difficulty())
+    return f"{question} {wp.INSTRUCTION}", str(answer)
+
+
+def _score_word_problem(response: str, answer: str) -> float:
+    tail = response.rsplit("####", 1)[-1].strip().split()  # after the last ####, if any
+    return 1.0 if tail and tail[0].rstrip(".").replace(",", "") == answer else 0.0
+
+
+def _no_answer_in_text(_: str) -> str:
+    raise AssertionError("unreachable: the word_problems pattern matches nothing")
+
+
 # -- copy ----------------------------------------------------------------------------------
 
 
@@ -187,6 +212,17 @@ TASKS: dict[str, Task] = {
             re.compile(r"parity:([01]+)="),
             _parity,
         ),
+        # GSM8K-shaped prompts of 100-200 characters (data/word_problems.py), for
+        # benchmarks with realistic prompt lengths; the answer is only in the metadata.
+        Task(
+            "word_problems",
+            "solve a 2-4 step arithmetic story, answer after ####",
+            _sample_word_problem,
+            _score_word_problem,
+            re.compile(r"(?!)"),  # the answer cannot be read off the prompt
+            _no_answer_in_text,
+            answer_in_prompt=False,
+        ),
     )
 }
 
@@ -202,3 +238,4 @@ def get_task(name: str) -> Task:
 last_digit_reward = TASKS["last_digit"].reward
 copy_reward = TASKS["copy"].reward
 parity_reward = TASKS["parity"].reward
+word_problems_reward = TASKS["word_problems"].reward

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.data import TASKS, get_task
-from hybridflow.data.tasks import copy_reward, last_digit_reward, parity_reward
+from hybridflow.data.tasks import (
+    copy_reward,
+    last_digit_reward,
+    parity_reward,
+    word_problems_reward,
+)
 
 
 def _score(fn, prompts, responses, metadata=None):
@@ -19,7 +24,9 @@ def test_prompts_are_deterministic_per_seed():
         assert a == b and a != c
         assert len({r["id"] for r in a}) == 20
         for rec in a:  # the recorded answer is what the exact rule expects
-            assert task.answer_for(rec["prompt"], {}, 0) == rec["answer"]
+            if task.answer_in_prompt:
+                assert task.answer_for(rec["prompt"], {}, 0) == rec["answer"]
+            assert task.answer_for(rec["prompt"], {"answer": rec["answer"]}, 0) == rec["answer"]
             assert task.score(rec["answer"], rec["answer"]) == 1.0
         sft = task.sft_examples(5, seed=1)
         assert [e["prompt"] for e in sft] == [r["prompt"] for r in a[:5]]
@@ -51,3 +58,19 @@ def test_answer_is_parsed_through_a_chat_template_and_missing_answer_raises():
         last_digit_reward(["last:1="], [], [], [], [])
     with pytest.raises(KeyError, match="known"):
         get_task("sorting")
+
+
+def test_word_problems_prompts_are_gsm8k_shaped_and_scored_after_the_marker():
+    recs = get_task("word_problems").prompts(50, seed=0)
+    assert all(100 <= len(r["prompt"]) <= 260 and r["prompt"].endswith('"####".') for r in recs)
+    ans = recs[0]["answer"]
+    meta = [{"answer": ans}] * 4
+    got = _score(
+        word_problems_reward,
+        [recs[0]["prompt"]] * 4,
+        [f"3+4=7\n#### {ans}", f"#### {ans}.", f"#### {int(ans) + 1}", "no marker, no number"],
+        meta,
+    )
+    assert got == [1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="no 'answer'"):
+        _score(word_problems_reward, [recs[0]["prompt"]], ["1"])
