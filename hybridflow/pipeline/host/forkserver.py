@@ -49,6 +49,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -178,7 +179,12 @@ def _serve(sock: socket.socket) -> None:
         req, fds = msg
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12 warns on fork with several OS threads; the one besides ours is
+            # torch's, started at import and idle (as when a DataLoader forks its workers,
+            # the common case this server is like). Nothing of ours runs in it.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
             _child(sock, req, fds)
         children.add(pid)
