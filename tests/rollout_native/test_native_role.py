@@ -12,7 +12,7 @@ from native_helpers import ctx
 
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.rollout.hf import HFRollout
-from hybridflow.stages.rollout.native.role import NativeRollout
+from hybridflow.stages.rollout.native.role import NativeRollout, forced_lengths
 
 OPTS = {"max_new_tokens": 12}  # options the hf backend shares
 NATIVE = {**OPTS, "max_prompt_len": 16, "kv_cache_gb": 0.01}
@@ -182,3 +182,41 @@ def test_ops_are_declared_with_the_stage_contract() -> None:
         ops[k].scope == Scope.STEP and not ops[k].concurrent
         for k in ("sleep", "wake_up", "load_weights")
     )
+
+
+def test_forced_lengths_stop_each_row_at_its_drawn_length() -> None:
+    """The benchmark knob: per-row log-normal lengths, capped, from the call's seed only;
+    the tokens before a row's stop are those an uncapped call samples."""
+    r = role(forced_length_median=5, forced_length_sigma=1.0, stop_on_eos=False, n=4)
+    free = role(stop_on_eos=False, n=4)
+    try:
+        b, params = batch(3), {"seed": 7}
+        out, _ = r.handle("generate", b, params)
+        again, _ = r.handle("generate", b, params)
+        full, _ = free.handle("generate", b, params)
+        lengths = out["response_mask"].sum(1)
+        assert r.opts is not None
+        assert lengths.tolist() == forced_lengths(r.opts, 12, 7)
+        assert torch.equal(again["response_ids"], out["response_ids"])
+        assert len(set(lengths.tolist())) > 2 and int(lengths.max()) <= 12
+        for i, n in enumerate(lengths.tolist()):
+            assert torch.equal(out["response_ids"][i, :n], full["response_ids"][i, :n])
+    finally:
+        r.close()
+        free.close()
+    with pytest.raises(ConfigError, match="forced_length_median"):
+        role(forced_length_median=-1)
+
+
+def test_per_row_caps_must_fit_the_request(native: NativeRollout) -> None:
+    from hybridflow.stages.rollout.native.request import Request, SamplingParams
+
+    assert native.engine is not None
+    prompts = [torch.tensor([3, 4, 5])]
+    for caps in ([1, 2], [0], [13]):
+        with pytest.raises(BatchError, match="one cap per row"):
+            native.engine.call(
+                lambda core, c=caps: core.add_request(
+                    Request(prompts, SamplingParams(max_new_tokens=12), 0, max_new_tokens=c)
+                )
+            )

@@ -41,9 +41,9 @@ class HFRolloutOptions(ModelOptions):
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # 1 = off
     top_k: int = 0  # 0 = off
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64  # response tokens per sample, at most (the turn's, multi-turn)
     n: int = 1  # samples per prompt (GRPO group size)
-    stop_on_eos: bool = True
+    stop_on_eos: bool = True  # a row ends at its first EOS id (False: at max_new_tokens)
     eos_token_id: int | None = None  # None: the tokenizer's and generation_config's EOS ids
     pad_token_id: int | None = None  # None: the tokenizer's pad id
     seed: int | None = None  # None: the run seed

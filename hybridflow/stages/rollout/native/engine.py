@@ -252,6 +252,14 @@ class NativeEngine:
             )
         if not request.prompts:
             raise BatchError(f"{where}: no prompts")
+        caps = request.max_new_tokens
+        if caps is not None and (
+            len(caps) != request.rows or any(not 1 <= c <= p.max_new_tokens for c in caps)
+        ):
+            raise BatchError(
+                f"{where}: max_new_tokens must hold one cap per row ({request.rows}), each "
+                f"in 1..{p.max_new_tokens}"
+            )
         limit = self.config.max_model_len - p.max_new_tokens
         for i, ids in enumerate(request.prompts):
             if ids.dim() != 1 or ids.numel() < 1:
@@ -350,7 +358,8 @@ class NativeEngine:
         for ref in rows:
             req = self._live[ref.request_id].request
             p = req.params
-            cols["max_new"].append(p.max_new_tokens)
+            caps = req.max_new_tokens
+            cols["max_new"].append(caps[ref.row] if caps is not None else p.max_new_tokens)
             cols["temperature"].append(p.temperature)
             cols["top_k"].append(p.top_k)
             cols["top_p"].append(p.top_p)

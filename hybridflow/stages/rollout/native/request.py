@@ -53,6 +53,8 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     session: Hashable = None  # keep this row's K/V for the session's next request
+    # per-row caps (len == rows, each in 1..params.max_new_tokens); None: params' cap for all
+    max_new_tokens: list[int] | None = None
 
     @property
     def rows(self) -> int:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -88,6 +89,13 @@ class NativeRolloutOptions(HFRolloutOptions):
     alias_weights: bool = False  # share the actor's tensors when dtype/device match
     # multi-turn: keep a trajectory's K/V between its turns (False: re-prefill each turn)
     reuse_kv: bool = True
+    # Benchmark knob (0 = off): each row stops at a length drawn from a log-normal of this
+    # median and `forced_length_sigma`, capped at max_new_tokens, as if it emitted EOS
+    # there. A random-init model never stops, so this is how a benchmark gets the length
+    # mix of real RL responses (most short, a long tail up to the cap); the draw depends
+    # on the call's seed only. Single-turn only.
+    forced_length_median: int = 0
+    forced_length_sigma: float = 0.75  # the log-normal's sigma (of ln length)
 
     def validate(self, path: str) -> None:
         HFRolloutOptions.validate(self, path)
@@ -107,6 +115,12 @@ class NativeRolloutOptions(HFRolloutOptions):
             raise bad("decode_lengths", f"must all be >= 1, got {self.decode_lengths}")
         if self.max_prefill_tokens < 1:
             raise bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
+        if self.forced_length_median < 0:
+            raise bad("forced_length_median", f"must be >= 0, got {self.forced_length_median}")
+        if self.forced_length_sigma < 0:
+            raise bad("forced_length_sigma", f"must be >= 0, got {self.forced_length_sigma}")
+        if self.forced_length_median and self.env:
+            raise bad("forced_length_median", "applies to single-turn rollouts; unset `env`")
 
     def check_plan(self, path: str) -> None:
         """At plan time (`hybridflow validate`): these options against the model's config,
@@ -171,6 +185,15 @@ class NativeRollout(RolloutState, RoleBase):
             dict(model.named_parameters(remove_duplicate=False)), alias=opts.alias_weights
         )
         self.loop = trajectory_loop(ctx, opts, self.tokenizer, self.eos_ids, max_len)
+        if self.loop is not None:
+            # Two busy threads from here on: the engine's, launching kernels, and the
+            # trajectory loop's, turning 100s of finished turns into next requests at every
+            # turn boundary. Each time the engine thread gives up the GIL (a copy, a wait)
+            # it may wait up to the switch interval to get it back: 5 ms by default, 0.5
+            # here. Measured on an H200 (bench/multiturn.py, bench/RESULTS.md): 26.5k model
+            # tok/s at 5 ms (6.9 ms per decode step), 30.2k at 0.5 ms (6.1 ms per step;
+            # single turn: 5.9). A stage process is ours alone.
+            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
 
     def close(self) -> None:
         if self.loop is not None:
@@ -219,7 +242,8 @@ class NativeRollout(RolloutState, RoleBase):
         self._active += 1
         shared = self._active
         try:
-            out = await engine.generate(Request(prompts, sampling, seed))
+            caps = forced_lengths(opts, len(prompts) * opts.n, seed)
+            out = await engine.generate(Request(prompts, sampling, seed, max_new_tokens=caps))
         finally:
             self._active -= 1
         gen_s = time.perf_counter() - t0
@@ -381,3 +405,14 @@ class _NativeTurns:
     def end(self, keys: Sequence[int]) -> None:
         with contextlib.suppress(EngineClosedError):  # closing: it frees everything itself
             self.engine.drop_sessions([(self.call, k) for k in keys])
+
+
+def forced_lengths(opts: NativeRolloutOptions, rows: int, seed: int) -> list[int] | None:
+    """Per-row length caps of `forced_length_median` (None when off): log-normal draws
+    from `seed`, in 1..max_new_tokens."""
+    if not opts.forced_length_median:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, generator=g, dtype=torch.float64)
+    lengths = (opts.forced_length_median * torch.exp(opts.forced_length_sigma * z)).round()
+    return lengths.clamp(1, opts.max_new_tokens).to(torch.int64).tolist()
