@@ -169,22 +169,31 @@ class NativeModel:
     def extend(
         self,
         tokens: torch.Tensor,  # [U, A] int64, right-padded new tokens
-        lengths: torch.Tensor,  # [U] int64, >= 1 new tokens per sequence
-        starts: torch.Tensor,  # [U] int64, positions already in each slot (>= 1)
-        slots: torch.Tensor,  # [U] int64, one slot per sequence
+        lengths: torch.Tensor,  # [U] int64 on the host, >= 1 new tokens per sequence
+        starts: torch.Tensor,  # [U] int64 on the host, positions already in each slot (>= 1)
+        slots: torch.Tensor,  # [U] int64 on the host, one slot per sequence
         kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D]
     ) -> torch.Tensor:
         """Prefill new tokens on top of a slot's cached positions -> logits [U, V] of each
         sequence's last new token. Only real tokens are written to the cache; a padded
-        query attends to the cache like the last real one and its output is not read."""
+        query attends to the cache like the last real one and its output is not read.
+
+        The index arithmetic runs on the host, where the lengths are: the layer loop never
+        waits for the device (a boolean-mask index would, twice per layer). Not measured
+        faster on an H200 (bench/RESULTS.md: turn-boundary admissions ~95 ms either way)."""
         u, a = tokens.shape
-        steps = self.cols[:a]
-        pos = starts[:, None] + steps[None, :]  # [U, A]
+        dev = self.device
+        steps = torch.arange(a)
         real = steps[None, :] < lengths[:, None]  # [U, A]
         n = int((starts + lengths).max())  # positions any query attends to
-        wpos = pos[real]  # [N] the real tokens' positions ...
-        wslot = slots[:, None].expand(u, a)[real]  # [N] ... and slots
-        safe = torch.minimum(pos, (starts + lengths - 1)[:, None])  # padded -> the last real
+        flat = real.flatten().nonzero().flatten()  # [N] the real tokens in [U*A] order ...
+        wpos = (starts[:, None] + steps[None, :])[real]  # ... their positions ...
+        wslot = slots[:, None].expand(u, a)[real]  # ... and slots
+        last = torch.arange(u) * a + lengths - 1  # [U] each sequence's last real token
+        safe = torch.minimum(starts[:, None] + steps[None, :], (starts + lengths - 1)[:, None])
+        flat, wpos, wslot, last, safe, dslots = (
+            t.to(dev, non_blocking=True) for t in (flat, wpos, wslot, last, safe, slots)
+        )
         cos, sin = self.cos[safe][:, :, None, :], self.sin[safe][:, :, None, :]  # [U,A,1,D]
         # query j of sequence u sees cached position c iff c <= starts[u] + j
         mask = (self.cols[None, None, :n] <= safe[:, :, None])[:, None]  # [U, 1, A, n]
@@ -198,9 +207,9 @@ class NativeModel:
                 q, k = self._qk_norm(i, q, k)
                 q, k = _rope(q, cos, sin), _rope(k, cos, sin)
                 v = attn.v_proj(h).view(u, a, self.num_kv_heads, self.head_dim)
-                kv[i, 0][wslot, :, wpos] = k[real].to(self.dtype)  # [N, Hkv, D]
-                kv[i, 1][wslot, :, wpos] = v[real].to(self.dtype)
-                kc, vc = kv[i, 0][slots, :, :n], kv[i, 1][slots, :, :n]  # [U, Hkv, n, D]
+                kv[i, 0][wslot, :, wpos] = k.flatten(0, 1)[flat].to(self.dtype)  # [N, Hkv, D]
+                kv[i, 1][wslot, :, wpos] = v.flatten(0, 1)[flat].to(self.dtype)
+                kc, vc = kv[i, 0][dslots, :, :n], kv[i, 1][dslots, :, :n]  # [U, Hkv, n, D]
                 o = F.scaled_dot_product_attention(
                     q.transpose(1, 2).to(self.dtype),
                     kc,
@@ -211,8 +220,7 @@ class NativeModel:
                 )  # [U, Hq, A, D]
                 x = x + attn.o_proj(o.transpose(1, 2).reshape(u, a, -1))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
-            last = x[torch.arange(u, device=x.device), lengths - 1]  # [U, H]
-            return self.lm_head(self.norm(last)).float()
+            return self.lm_head(self.norm(x.flatten(0, 1)[last])).float()
 
     def decode(
         self,
@@ -302,9 +310,9 @@ def prompt_logits(
             tokens[j, : x.numel()] = x
         out[cont] = model.extend(
             tokens.to(dev),
-            counts.to(dev),
-            torch.tensor([cached[u] for u in cont], dtype=torch.int64, device=dev),
-            torch.tensor([slot_of[u] for u in cont], dtype=torch.int64, device=dev),
+            counts,
+            torch.tensor([cached[u] for u in cont], dtype=torch.int64),
+            torch.tensor([slot_of[u] for u in cont], dtype=torch.int64),
             kv,
         )
         stats["prefill_tokens"] += int(counts.sum())
