@@ -61,6 +61,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="set sys.setswitchinterval after the role's setup (0: leave the role's)",
     )
     ap.add_argument(
+        "--gather-ms", type=float, default=None, help="admission_gather_ms (default: the role's)"
+    )
+    ap.add_argument(
         "--profile",
         default="",
         help="write a torch.profiler table of the timed calls (labels: the engine's parts)",
@@ -232,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "latency_s": args.latency_ms / 1000,
         },
         "max_turns": args.turns,
+        **({} if args.gather_ms is None else {"admission_gather_ms": args.gather_ms}),
         "env_concurrency": args.seqs,
         "max_new_tokens": args.turn_tokens,
     }

@@ -44,8 +44,22 @@ class EngineClosedError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, core: NativeEngine, name: str = "hybridflow-native-engine") -> None:
+    def __init__(
+        self,
+        core: NativeEngine,
+        name: str = "hybridflow-native-engine",
+        *,
+        gather_s: float = 0.0,
+        max_gather_s: float = 0.02,
+    ) -> None:
+        """`gather_s` > 0: when nothing is decoding and requests are arriving, wait until
+        none has arrived for `gather_s` (at most `max_gather_s` in all) before admitting:
+        a multi-turn boundary's next turns arrive one by one as the trajectory loop turns
+        each finished turn into a request, and admitting them as they come costs an
+        admission step (a prefill forward and its host work) per handful, run while that
+        loop's thread holds the GIL. Never waits while rows are decoding."""
         self.core = core
+        self.gather_s, self.max_gather_s = gather_s, max_gather_s
         self._cv = threading.Condition()
         self._inbox: deque[tuple[str, Any, cf.Future[Any]]] = deque()
         self._futures: dict[int, cf.Future[RequestOutput]] = {}
@@ -102,16 +116,34 @@ class AsyncEngine:
                     break
                 inbox = list(self._inbox)
                 self._inbox.clear()
-            for kind, item, fut in inbox:
-                if kind == "request":
-                    self._add(item, fut)
-                elif kind == "drop":
-                    self._drop(item, fut)
-                else:
-                    self._call(item, fut)
+            self._take(inbox)
+            if self.gather_s > 0 and not self.core.scheduler.active and inbox:
+                self._gather()
             if self.core.has_work():
                 self._step()
         self._shutdown()
+
+    def _take(self, inbox: list[tuple[str, Any, cf.Future[Any]]]) -> None:
+        for kind, item, fut in inbox:
+            if kind == "request":
+                self._add(item, fut)
+            elif kind == "drop":
+                self._drop(item, fut)
+            else:
+                self._call(item, fut)
+
+    def _gather(self) -> None:
+        """Take in arriving requests until a quiet `gather_s` (see __init__)."""
+        end = time.monotonic() + self.max_gather_s
+        while (left := end - time.monotonic()) > 0:
+            with self._cv:
+                if not (self._inbox or self._closing):
+                    self._cv.wait(min(self.gather_s, left))
+                if self._closing or not self._inbox:
+                    return
+                inbox = list(self._inbox)
+                self._inbox.clear()
+            self._take(inbox)
 
     def _add(self, request: Request, fut: cf.Future[Any]) -> None:
         if not fut.set_running_or_notify_cancel():
