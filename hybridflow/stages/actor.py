@@ -70,6 +70,7 @@ from hybridflow.algos.kl import KL_ALIASES, KL_KINDS, kl_estimate, kl_loss
 from hybridflow.algos.losses import aggregate, entropy_bonus, policy_loss
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import BatchError, ConfigError
+from hybridflow.models.head_logprobs import LogprobOptions
 from hybridflow.models.loader import ModelOptions
 from hybridflow.models.lora import LoraOptions
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
@@ -90,7 +91,7 @@ from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
 
 
 @dataclass
-class ActorOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions):
+class ActorOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions, LogprobOptions):
     temperature: float = 1.0  # logits / temperature before log-probs: match the rollout's
     clip_ratio_low: float = 0.2  # PPO clip: ratios below 1 - this are clipped
     clip_ratio_high: float | None = None  # None: = clip_ratio_low
@@ -119,6 +120,7 @@ class ActorOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions):
         TrainOptions.validate(self, path)
         self.validate_sharding(path)
         self.validate_lora(path)
+        self.validate_logprob(path)
         if self.temperature <= 0:
             raise ConfigError(f"{path}.temperature", f"must be > 0, got {self.temperature}")
         if self.kl_loss_type not in (*KL_KINDS, *KL_ALIASES):
@@ -244,7 +246,12 @@ class Actor(ShardedModelRole, RoleBase):
         with torch.no_grad():
             for rows in row_chunks(n, self.opts.forward_batch_size):
                 lp, ent = response_logprobs(
-                    self.model, slice_rows(batch, rows), self.device, self.opts.temperature, True
+                    self.model,
+                    slice_rows(batch, rows),
+                    self.device,
+                    self.opts.temperature,
+                    with_entropy=True,
+                    chunk_tokens=self.opts.logprob_chunk_tokens,
                 )
                 assert ent is not None
                 lps.append(lp.float().cpu())
@@ -252,11 +259,14 @@ class Actor(ShardedModelRole, RoleBase):
         return {"old_logprobs": torch.cat(lps), "entropy": torch.cat(ents)}
 
     def _logprobs_no_grad(self, batch: Batch) -> torch.Tensor:
-        assert self.opts is not None
+        o = self.opts
+        assert o is not None
         return chunked_no_grad(
-            lambda b: response_logprobs(self.model, b, self.device, self.opts.temperature)[0],
+            lambda b: response_logprobs(
+                self.model, b, self.device, o.temperature, chunk_tokens=o.logprob_chunk_tokens
+            )[0],
             batch,
-            self.opts.forward_batch_size,
+            o.forward_batch_size,
         )
 
     def update(self, batch: Batch) -> Metrics:
@@ -327,7 +337,13 @@ class Actor(ShardedModelRole, RoleBase):
             # collectives wait for it.
             return torch.zeros((), device=dev, requires_grad=True), 0, stats
         logprobs, entropy = response_logprobs(
-            self.model, mb, dev, o.temperature, with_entropy=True, entropy_grad=o.entropy_coef != 0
+            self.model,
+            mb,
+            dev,
+            o.temperature,
+            with_entropy=True,
+            entropy_grad=o.entropy_coef != 0,
+            chunk_tokens=o.logprob_chunk_tokens,
         )
         assert entropy is not None
         loss, st = policy_loss(
@@ -381,7 +397,9 @@ class Actor(ShardedModelRole, RoleBase):
         assert self.opts is not None
         agg = self.opts.loss_agg_mode
         mask = mb["response_mask"].to(self.device)
-        logprobs, _ = response_logprobs(self.model, mb, self.device)
+        logprobs, _ = response_logprobs(
+            self.model, mb, self.device, chunk_tokens=self.opts.logprob_chunk_tokens
+        )
         count = denominator(mask, agg)
         loss = aggregate(-logprobs, mask, agg, denom=1.0)
         return loss, count, {"sft_loss": float(loss.detach()) / max(count, 1)}

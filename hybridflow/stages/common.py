@@ -34,6 +34,7 @@ import torch
 from hybridflow.algos.losses import entropy_from_logits, logprobs_from_logits
 from hybridflow.algos.utils import zero_padding
 from hybridflow.errors import BatchError
+from hybridflow.models.head_logprobs import chunkable, model_head_logprobs
 from hybridflow.models.loader import ModelKind, ModelOptions, load_model, load_tokenizer
 from hybridflow.stages.base import Batch, StageContext
 
@@ -168,10 +169,20 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> logprobs [B, R] float32 of the response tokens (grad flows if enabled) and,
     with `with_entropy`, the policy entropy [B, R] (with grad only if `entropy_grad`).
-    Both are 0 at padding."""
+    Both are 0 at padding.
+
+    `chunk_tokens > 0` (the roles' `logprob_chunk_tokens`): only the valid response
+    positions reach the head, `chunk_tokens` of them at a time, in forward and backward
+    (models/head_logprobs.py); no [B, R, V] logits exist. 0, or a model whose forward
+    transforms its head's logits (`chunkable`): the full logits, as before."""
+    if chunk_tokens > 0 and chunkable(model) is None:
+        return _chunked_response_logprobs(
+            model, batch, device, temperature, with_entropy, entropy_grad, chunk_tokens
+        )
     logits = response_logits(model, batch, device, temperature)
     mask = batch["response_mask"].to(device)
     # Without grad, float32 temporaries are bounded to _CHUNK positions at a time (a
@@ -189,6 +200,51 @@ def response_logprobs(
                 entropy = entropy_from_logits(logits.detach(), chunk_size=_CHUNK)
         entropy = zero_padding(entropy, mask)
     return logprobs, entropy
+
+
+def _chunked_response_logprobs(
+    model: torch.nn.Module,
+    batch: Batch,
+    device: torch.device,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ids, attn, pos = sequence_inputs(batch, device)
+    r = batch["response_ids"].shape[1]
+    valid = batch["response_mask"].to(device) != 0  # [B, R]: the N tokens that get logits
+    targets = batch["response_ids"].to(device, torch.int64)[valid]  # [N]
+
+    def select(hidden: torch.Tensor) -> torch.Tensor:
+        # [B, K, H] (K = R + 1 with logits_to_keep, else P + R) -> [N, H]: position
+        # P - 1 + t predicts response token t.
+        return hidden[:, -(r + 1) : -1][valid]
+
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "position_ids": pos,
+        "use_cache": False,
+        **_forward_kwargs(model, r + 1),
+    }
+    lp, ent = model_head_logprobs(
+        model,
+        inputs,
+        select,
+        targets,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:  # [N] -> [B, R], 0 at padding
+        return torch.zeros(valid.shape, dtype=values.dtype, device=device).masked_scatter(
+            valid, values
+        )
+
+    return scatter(lp), (None if ent is None else scatter(ent))
 
 
 def response_values(model: torch.nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:

@@ -28,6 +28,7 @@ from typing import Any
 
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import ConfigError
+from hybridflow.models.head_logprobs import LogprobOptions
 from hybridflow.models.loader import ModelOptions
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
@@ -44,7 +45,7 @@ from hybridflow.stages.parallel.role import ShardedModelRole
 
 
 @dataclass
-class ReferenceOptions(ModelOptions, ShardingOptions):
+class ReferenceOptions(ModelOptions, ShardingOptions, LogprobOptions):
     temperature: float = 1.0  # must match the actor's
     forward_batch_size: int = 0  # rows per forward (0: the whole micro-batch)
     # The colocated LoRA actor's base weights instead of a copy (module docstring):
@@ -54,6 +55,7 @@ class ReferenceOptions(ModelOptions, ShardingOptions):
     def validate(self, path: str) -> None:
         ModelOptions.validate(self, path)
         self.validate_sharding(path)
+        self.validate_logprob(path)
         if self.temperature <= 0:
             raise ConfigError(f"{path}.temperature", f"must be > 0, got {self.temperature}")
 
@@ -130,7 +132,13 @@ class Reference(ShardedModelRole, RoleBase):
         opts = self.opts
         with self.base_context() if self.base_context else contextlib.nullcontext():
             ref = chunked_no_grad(
-                lambda b: response_logprobs(self.model, b, self.device, opts.temperature)[0],
+                lambda b: response_logprobs(
+                    self.model,
+                    b,
+                    self.device,
+                    opts.temperature,
+                    chunk_tokens=opts.logprob_chunk_tokens,
+                )[0],
                 batch,
                 opts.forward_batch_size,
             )
