@@ -76,3 +76,20 @@ def test_engine_export_of_a_lora_run_is_a_peft_adapter_directory(tmp_path):
     # The adapters are the trained ones (B moved off zero), and off they give the base.
     assert not torch.allclose(trained, off)
     torch.testing.assert_close(off, plain, atol=0, rtol=0)
+
+
+def test_sft_of_a_lora_actor_hands_rl_the_merged_model(tmp_path):
+    """SFT trains adapters and merges them (`policy/merged`); RL then loads that directory
+    as every role's model and trains fresh adapters on top (before: RL failed to load the
+    adapter directory as a model)."""
+    pytest.importorskip("peft")
+    df = _builder()
+    with df.build(metrics_backend="jsonl", log_dir=tmp_path / "run") as engine:
+        sft = engine.sft("last_digit", steps=2, batch_size=8)
+        assert len(sft.metrics) == 2
+        actor = df.actor_options()
+        assert actor["model"].endswith("/policy/merged")
+        assert (tmp_path / "run" / "sft").is_dir()
+        assert (tmp_path.joinpath(actor["model"]) / "config.json").is_file()
+        rl = engine.train("last_digit", steps=1)
+    assert [r["step"] for r in rl.metrics] == [0]

@@ -438,6 +438,10 @@ class DataflowBuilder:
                 spec.options["model"] = model_dir
                 spec.options.pop("model_overrides", None)  # the directory's config has them
 
+    def actor_options(self) -> dict[str, Any]:
+        """The actor's declared options (a copy)."""
+        return dict(self._roles["actor"].options)
+
     def tokenizer_options(self) -> dict[str, Any]:
         return self._tokenizer_options()
 

@@ -329,6 +329,12 @@ class Engine:
         stages = dict(base.stages)
         given = {"lr": lr, "warmup_steps": warmup_steps}
         overrides = {k: v for k, v in given.items() if v is not None}
+        # A LoRA actor's policy export is a PEFT adapter directory, which no role can load
+        # as its model: SFT also writes the merged model (`policy/merged`), and RL starts
+        # fresh adapters on top of it.
+        lora = int(self.builder.actor_options().get("lora_rank", 0) or 0) > 0
+        if lora:
+            overrides["lora_export_merged"] = True
         if overrides:  # other actor options than the processes have: a restart
             name = next(s for s, c in stages.items() if "actor" in c.roles)
             actor = stages[name].roles["actor"]
@@ -369,6 +375,8 @@ class Engine:
         cfg = ckpt.CheckpointConfig(str(self.log_dir / "sft" / "checkpoints"), 0, 1)
         res = self._job(plan, launch, 0, ckpt.Checkpointer(cfg, steps - 1, self._extra()))
         policy = Path(res.checkpoints[-1]) / "policy"
+        if lora:
+            policy = policy / "merged"
         self.builder.use_policy(str(policy))  # changes the declarations: a restart
         self.close()
         self.step, self.state = 0, None
