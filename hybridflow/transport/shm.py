@@ -69,15 +69,19 @@ def _write_all(fd: int, chunks: Iterable[tuple[int, memoryview]]) -> None:
             done += os.pwrite(fd, chunk[done:], offset + done)
 
 
+_SEQ = itertools.count()  # next() is atomic under the GIL
+
+
 class _Names:
     """Unique segment names of one process and run; remembers the ones not yet handed over."""
 
     def __init__(self, run_id: str) -> None:
         self.prefix = f"{run_prefix(run_id)}{os.getpid()}-"
-        self._seq = itertools.count()
 
     def next(self) -> str:
-        return f"{self.prefix}{next(self._seq)}"
+        # One sequence for the whole process: two writers of one run in one process (the
+        # coordinator's and a test's, or two pools) must never make the same name.
+        return f"{self.prefix}{next(_SEQ)}"
 
 
 class ShmWriter:

@@ -147,3 +147,37 @@ def interruptible() -> None:
     across exec, and Python then installs no KeyboardInterrupt handler: a Ctrl-C test
     would test nothing."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _ppid_and_comm(pid: int) -> tuple[int, str]:
+    with open(f"/proc/{pid}/stat") as f:
+        head, rest = f.read().rsplit(")", 1)
+    return int(rest.split()[1]), head.split("(", 1)[1]
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every process below `root` -> its comm (stage processes are `hf-<stage>-<replica>`;
+    forked ones sit under the fork server, `hf-forkserver`)."""
+    tree: dict[int, list[tuple[int, str]]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        pid = int(stat.split("/")[2])
+        try:
+            ppid, comm = _ppid_and_comm(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+        tree.setdefault(ppid, []).append((pid, comm))
+    out, todo = {}, [root]
+    while todo:
+        for pid, comm in tree.get(todo.pop(), []):
+            out[pid] = comm
+            todo.append(pid)
+    return out
+
+
+def stage_processes(root: int) -> dict[int, str]:
+    """Stage processes below `root` -> "<stage>/<replica>", from their process title."""
+    return {
+        pid: "/".join(comm[3:].rsplit("-", 1))
+        for pid, comm in descendants(root).items()
+        if comm.startswith("hf-") and comm != "hf-forkserver"
+    }

@@ -16,7 +16,13 @@ import time
 
 import pytest
 import yaml
-from pipeline_helpers import interruptible, leftovers, small_topology
+from pipeline_helpers import (
+    descendants,
+    interruptible,
+    leftovers,
+    small_topology,
+    stage_processes,
+)
 
 from hybridflow.cli import main
 
@@ -127,40 +133,6 @@ def test_bad_config_exits_2_with_one_line(tmp_path, capsys):
     assert err == ["hybridflow: error: stages.reward.replicas: must be >= 1, got 0"]
 
 
-def _ppid_and_comm(pid: int) -> tuple[int, str]:
-    with open(f"/proc/{pid}/stat") as f:
-        head, rest = f.read().rsplit(")", 1)
-    return int(rest.split()[1]), head.split("(", 1)[1]
-
-
-def _descendants(root: int) -> dict[int, str]:
-    """Every process below `root` -> its comm (stage processes are `hf-<stage>-<replica>`;
-    forked ones sit under the fork server, `hf-forkserver`)."""
-    tree: dict[int, list[tuple[int, str]]] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        pid = int(stat.split("/")[2])
-        try:
-            ppid, comm = _ppid_and_comm(pid)
-        except (OSError, ValueError, IndexError):
-            continue
-        tree.setdefault(ppid, []).append((pid, comm))
-    out, todo = {}, [root]
-    while todo:
-        for pid, comm in tree.get(todo.pop(), []):
-            out[pid] = comm
-            todo.append(pid)
-    return out
-
-
-def _stages(root: int) -> dict[int, str]:
-    """Stage processes below `root` -> "<stage>/<replica>", from their process title."""
-    return {
-        pid: "/".join(comm[3:].rsplit("-", 1))
-        for pid, comm in _descendants(root).items()
-        if comm.startswith("hf-") and comm != "hf-forkserver"
-    }
-
-
 def _run_id(pids) -> str:
     """A fresh interpreter's command line ends `... launcher NAME RUN_ID`."""
     with open(f"/proc/{next(iter(pids))}/cmdline", "rb") as f:
@@ -201,9 +173,9 @@ def test_interrupting_the_launcher_exits_130_and_leaves_nothing(tmp_path, sig, f
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "run never got going"
             time.sleep(0.1)
-        kids = _stages(proc.pid)
+        kids = stage_processes(proc.pid)
         assert sorted(kids.values()) == ["actor/0", "reward/0", "rollout/0"]
-        everyone = _descendants(proc.pid)
+        everyone = descendants(proc.pid)
         assert ("hf-forkserver" in everyone.values()) == forked
         run_id = "" if forked else _run_id(kids)
         proc.send_signal(sig)
@@ -240,8 +212,8 @@ def test_stages_die_with_a_killed_launcher(tmp_path):
         while not (metrics.exists() and metrics.read_text().strip()):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        everyone = _descendants(proc.pid)
-        assert len(_stages(proc.pid)) == 3
+        everyone = descendants(proc.pid)
+        assert len(stage_processes(proc.pid)) == 3
         assert "hf-forkserver" in everyone.values()
     finally:
         proc.kill()

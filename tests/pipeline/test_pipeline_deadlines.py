@@ -17,7 +17,14 @@ from typing import Any
 
 import pytest
 import yaml
-from pipeline_helpers import RecordingLauncher, alive, interruptible, leftovers
+from pipeline_helpers import (
+    RecordingLauncher,
+    alive,
+    descendants,
+    interruptible,
+    leftovers,
+    stage_processes,
+)
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import StageError
@@ -91,18 +98,6 @@ def test_task_whose_shared_memory_vanished_is_a_named_error(topo_dict, monkeypat
     assert not leftovers(run_id, launcher.started)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_during_a_long_driver_op_exits_within_seconds(topo_dict, tmp_path, sig):
@@ -135,8 +130,8 @@ def test_signal_during_a_long_driver_op_exits_within_seconds(topo_dict, tmp_path
         while not started.exists():
             assert proc.poll() is None, proc.communicate()[0].decode(errors="replace")[-3000:]
             time.sleep(0.1)
-        stages = _children(proc.pid)
-        assert len(stages) == 3
+        assert len(stage_processes(proc.pid)) == 3
+        stages = list(descendants(proc.pid))  # the stages, and the fork server with them
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=30)  # a busy compute thread must not hold the exit
     finally:

@@ -54,6 +54,7 @@ class _Impostor:
         self.segment_survived: bool | None = None
         self.got: list[str] = []  # messages it received after the Welcome
         self.connected = threading.Event()
+        self.checked = threading.Event()  # segment_survived is known
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="impostor", daemon=True)
         self.thread.start()
@@ -94,6 +95,7 @@ class _Impostor:
             sock.send_multipart(protocol.encode(result))  # and without tensors
             time.sleep(1.0)  # the coordinator has read them by now
             self.segment_survived = os.path.exists(f"/dev/shm/{self.segment}")
+            self.checked.set()
             os.unlink(f"/dev/shm/{self.segment}")
             while not self.stop.is_set():  # stays connected, holding `reward/0`
                 if sock.poll(100):
@@ -117,6 +119,13 @@ class _ImpostorFirst(RecordingLauncher):
         self.impostor = _Impostor(payload["endpoint"], payload["run_id"], self.config_hash)
         time.sleep(0.3)  # its connection (identity `reward/0`) is registered by the ROUTER
         super().start(specs)
+
+    def stop(self, timeout):  # type: ignore[no-untyped-def]
+        # The teardown sweeps the run's shared memory after this: a run of forked stages
+        # can end within the impostor's 1 s wait, so its check must come first.
+        if self.impostor is not None:
+            self.impostor.checked.wait(30)
+        return super().stop(timeout)
 
 
 @pytest.mark.parametrize("protocol_", ["ipc", "tcp"])

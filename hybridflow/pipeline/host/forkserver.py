@@ -26,8 +26,10 @@ One server per process, started on first use and shared by every run of that pro
 It is used by the LocalLauncher on Linux unless HYBRIDFLOW_FORKSERVER=0; any failure to
 start or reach it falls back to a fresh interpreter per stage, with a warning. What differs
 from a fresh interpreter: the preloaded modules are the versions imported when the server
-started, and `ps aux` shows the server's command line for its children (their `comm`,
-`hf-<stage>-<replica>`, is set as before).
+started, and so are the environment variables they read at import (the thread count,
+OMP_NUM_THREADS, is applied per child: `_threads`); `ps aux` shows
+the server's command line for its children (their `comm`, `hf-<stage>-<replica>`, is set
+as before).
 """
 
 from __future__ import annotations
@@ -228,6 +230,7 @@ def _child(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
         for p in reversed(req["env"].get("PYTHONPATH", "").split(os.pathsep)):
             if p and p not in sys.path:
                 sys.path.insert(0, p)
+        _threads(req["env"])
         header = dict(req["header"], parent_pid=os.getppid())
         payload = header["payload"]
         # A stage watches the process it is tied to: here, this server.
@@ -238,7 +241,30 @@ def _child(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
     run_child(header)
 
 
+# Read once at import by the OpenMP runtime: a forked child would keep the server's
+# value. The server starts without them (its own torch default, `_DEFAULT_THREADS`, is what
+# a fresh interpreter gets) and each child applies the value of its own environment.
+_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_DEFAULT_THREADS = 0  # set in the server after preloading
+
+
+def _threads(env: Mapping[str, str]) -> None:
+    """Give this forked child the intra-op thread count a fresh interpreter with `env`
+    would have."""
+    if "torch" not in sys.modules:
+        return
+    import torch
+
+    n = _DEFAULT_THREADS
+    value = env.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        n = int(value)
+    if n > 0 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 def _server_main() -> None:
+    global _DEFAULT_THREADS
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides the teardown
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     parent, fd = int(sys.argv[1]), int(sys.argv[2])
@@ -251,6 +277,8 @@ def _server_main() -> None:
             importlib.import_module(name)
         except Exception as exc:  # the child imports it itself, and reports there
             log.debug("forkserver: preload of %s failed: %s", name, exc)
+    if "torch" in sys.modules:
+        _DEFAULT_THREADS = sys.modules["torch"].get_num_threads()
     _send(sock, {"ready": os.getpid()})
     _serve(sock)
     os._exit(0)
@@ -337,7 +365,7 @@ class ForkServer:
         from pathlib import Path
 
         root = str(Path(__file__).resolve().parents[3])  # the dir holding hybridflow/
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in _THREAD_ENV}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         try:
             proc = subprocess.Popen(

@@ -198,7 +198,9 @@ def _header(spec: ProcessSpec) -> dict[str, Any]:
 def fork_child(spec: ProcessSpec) -> forkserver.ForkedProcess:
     """Start the child of `spec` as a fork of this process's fork server (its imports
     already done; see host/forkserver.py). Raises ForkServerError if the server fails."""
-    return forkserver.shared().spawn(_header(spec), _child_env(spec), pass_fds=spec.pass_fds)
+    # cwd: a fresh child starts in this process's directory now, not the server's.
+    env, cwd = _child_env(spec), os.getcwd()
+    return forkserver.shared().spawn(_header(spec), env, cwd=cwd, pass_fds=spec.pass_fds)
 
 
 def spawn_child(
