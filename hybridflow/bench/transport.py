@@ -3,7 +3,10 @@
 Two processes, as in a run: this process is the coordinator (ROUTER, binds ipc://), a
 spawned stage process connects (DEALER) and answers. Cases (one JSON object, `cases`):
 
-  rtt        Ping -> Pong round trip, coordinator -> stage -> coordinator: rtt_us_p50/p99
+  rtt        Ping -> Pong round trip, coordinator -> stage -> coordinator: rtt_us_p50/p99;
+             raw_zmq_rtt_us_p50/p99: the same frames ping-ponged by plain blocking pyzmq
+             ROUTER/DEALER sockets between two other processes, timed in blocks alternating
+             with the channels' so that both see the same load (vs_raw_zmq = p50 / raw p50)
   frame      tier 1: a Task with tensors in ZeroMQ frames, stage acks: one-way hand-off
   shm        tier 2, pooled segments (ROUTER/DEALER with Release acks), stage acks
   shm_oneshot tier 2, a fresh segment per message (what PUSH/PULL or a full pool get)
@@ -34,9 +37,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import zmq
 
 from hybridflow.errors import ConfigError
-from hybridflow.transport import aio
+from hybridflow.transport import aio, protocol
 from hybridflow.transport.channel import Channel
 from hybridflow.transport.protocol import Hello, Ping, Pong, Result, Shutdown, Task
 
@@ -304,16 +308,78 @@ async def _verify(ch: Channel, tensors: dict[str, torch.Tensor]) -> None:
         raise RuntimeError(f"transport bench: stage received {got.msg}, expected checksums {want}")
 
 
-async def _rtt(ch: Channel, iters: int) -> list[float]:
-    lat = []
+async def _rtt(ch: Channel, raw: _RawZmq, iters: int) -> tuple[list[float], list[float]]:
+    """(channel, raw pyzmq) round trips in us, sorted: blocks of each in turn, so that a
+    shared host's load changes hit both alike."""
+    lat: list[float] = []
+    raw_lat: list[float] = []
+    block = max(1, min(250, iters // 10))
     warm = min(500, iters // 5)
-    for i in range(iters + warm):
-        t0 = time.perf_counter_ns()
-        await ch.send(Ping(seq=i, t_ns=t0), to=STAGE_ID)
+    for i in range(warm):  # the first messages of a connection are slower; not counted
+        await ch.send(Ping(seq=i, t_ns=0), to=STAGE_ID)
         await ch.recv(timeout=30)
-        if i >= warm:
+        raw.ping()
+    i = warm
+    while len(lat) < iters:
+        for _ in range(min(block, iters - len(lat))):
+            t0 = time.perf_counter_ns()
+            await ch.send(Ping(seq=i, t_ns=t0), to=STAGE_ID)
+            await ch.recv(timeout=30)
             lat.append((time.perf_counter_ns() - t0) / 1e3)
-    return sorted(lat)
+            i += 1
+        for _ in range(block):
+            t0 = time.perf_counter_ns()
+            raw.ping()
+            raw_lat.append((time.perf_counter_ns() - t0) / 1e3)
+    return sorted(lat), sorted(raw_lat)
+
+
+def _raw_echo_main(endpoint: str) -> None:
+    """The raw baseline's stage: a blocking DEALER that sends back whatever it gets."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send(b"hello")
+    while True:
+        frames = sock.recv_multipart()
+        if frames == [b"stop"]:
+            break
+        sock.send_multipart(frames)
+    sock.close()
+
+
+class _RawZmq:
+    """Plain pyzmq round trips (no asyncio, no codec, no checks): ROUTER here, the echo
+    DEALER in another process, the frames of an encoded Ping."""
+
+    def __init__(self, directory: str) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVTIMEO, 180_000)
+        self._sock.bind(f"ipc://{directory}/raw.sock")
+        self.proc = mp.get_context("spawn").Process(
+            target=_raw_echo_main, args=(f"ipc://{directory}/raw.sock",), name="bench-raw-zmq"
+        )
+        self.proc.start()
+        self._peer = self._sock.recv_multipart()[0]
+        self._sock.setsockopt(zmq.RCVTIMEO, 30_000)
+        self._frames = [self._peer, *protocol.encode(Ping(seq=1, t_ns=1))]
+
+    def ping(self) -> None:
+        self._sock.send_multipart(self._frames)
+        self._sock.recv_multipart()
+
+    def __enter__(self) -> _RawZmq:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._sock.send_multipart([self._peer, b"stop"])
+        finally:
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+            self._sock.close()
 
 
 def _pct(sorted_us: list[float], q: float) -> float:
@@ -376,10 +442,9 @@ async def _cpu_cases(s: dict[str, Any]) -> list[dict]:
     }
     async with _StageProc(keys) as st:
         ping = Ping(seq=1, t_ns=time.perf_counter_ns())
-        from hybridflow.transport import protocol
-
         nbytes = sum(len(f) for f in protocol.encode(ping))
-        lat = await _rtt(st.chans["pooled"], s["rtt_iters"])
+        with _RawZmq(st._dir) as raw:
+            lat, raw_lat = await _rtt(st.chans["pooled"], raw, s["rtt_iters"])
         base = _baselines(torch.ones(nbytes, dtype=torch.uint8), 50)
         cases.append(
             _case(
@@ -389,8 +454,12 @@ async def _cpu_cases(s: dict[str, Any]) -> list[dict]:
                 base,
                 rtt_us_p50=_pct(lat, 0.5),
                 rtt_us_p99=_pct(lat, 0.99),
+                raw_zmq_rtt_us_p50=_pct(raw_lat, 0.5),
+                raw_zmq_rtt_us_p99=_pct(raw_lat, 0.99),
+                vs_raw_zmq=round(_pct(lat, 0.5) / max(_pct(raw_lat, 0.5), 1e-3), 2),
                 iters=len(lat),
-                what="Ping->Pong, two processes, ipc://",
+                what="Ping->Pong, two processes, ipc://; raw_zmq: the same frames echoed by "
+                "blocking pyzmq ROUTER/DEALER, in blocks alternating with the channels'",
             )
         )
         for kib in s["frame_kib"]:
@@ -572,6 +641,7 @@ def _targets(cases: list[dict]) -> dict[str, Any]:
     rtt = [c for c in cases if c["tier"] == "rtt"]
     if rtt:
         out["rtt_p50_le_100us"] = rtt[0]["rtt_us_p50"] <= 100
+        out["rtt_p50_le_1.5x_raw_zmq"] = rtt[0]["vs_raw_zmq"] <= 1.5
     big = [c for c in cases if c["tier"] == "shm" and c["bytes"] >= 64 * MiB]
     if big:
         out["shm_ge_0.7x_copy_at_64MiB_plus"] = all(c["vs_baseline"] >= 0.7 for c in big)
