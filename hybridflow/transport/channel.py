@@ -22,6 +22,10 @@ message costs no future at all; one that must wait costs one future and no task.
 what brings a small-message round trip between two processes near raw pyzmq latency.
 ZMQ_FD is edge-triggered: it only says "state may have changed", so waiters always
 re-read ZMQ_EVENTS, and any operation of ours wakes the other waiters to re-check.
+Per message the fast path pays one ZMQ_EVENTS read per side of a wait, no exception, no
+enum arithmetic (zmq's constants are IntFlags: each `|`/`&` on them builds an enum member)
+and no timer handle (one lazily re-armed timer serves every bounded wait of the channel:
+under uvloop, cancelling a timer closes a handle, which costs one more loop iteration).
 
 Invariants:
   - a malformed message never kills a receiver: `recv` logs it, counts it in
@@ -41,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -66,9 +71,14 @@ log = logging.getLogger(__name__)
 SocketKind = Literal["router", "dealer", "push", "pull"]
 _ZMQ_TYPES = {"router": zmq.ROUTER, "dealer": zmq.DEALER, "push": zmq.PUSH, "pull": zmq.PULL}
 _MAX_PARTS = protocol.MAX_FRAMES + 3  # identity + kind + header + buffers
+# The hot path's zmq constants as plain ints (see the module docstring).
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+_POLL_ANY = _POLLIN | _POLLOUT
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_EVENTS = int(zmq.EVENTS)
 
 
-@dataclass
+@dataclass(slots=True)
 class Received:
     msg: Msg
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -183,7 +193,11 @@ class Channel:
         self._fd = cast(int, self._sock.getsockopt(zmq.FD))
         self._loop: asyncio.AbstractEventLoop | None = None
         # Tasks sleeping until the socket may be readable (POLLIN) / writable (POLLOUT).
-        self._waiters: dict[int, list[asyncio.Future[None]]] = {zmq.POLLIN: [], zmq.POLLOUT: []}
+        self._waiters: dict[int, list[asyncio.Future[None]]] = {_POLLIN: [], _POLLOUT: []}
+        # The one timer that bounds every sleeper's wait: armed for the earliest wake-up
+        # asked for; firing early only makes the sleepers re-check (and re-arm it).
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
         self._flush_scheduled = False
         self._send_lock = asyncio.Lock()
         self._closed = False
@@ -289,7 +303,7 @@ class Channel:
         sock = self._sock
         last = len(frames) - 1
         try:
-            sock.send(frames[0], zmq.NOBLOCK | (zmq.SNDMORE if last else 0))
+            sock.send(frames[0], _NOBLOCK | (_SNDMORE if last else 0))
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
@@ -297,7 +311,7 @@ class Channel:
         # ZeroMQ checks the high-water mark on the first part only: the rest never blocks.
         for i in range(1, last + 1):
             f = frames[i]
-            sock.send(f, zmq.SNDMORE if i < last else 0, copy=not isinstance(f, memoryview))
+            sock.send(f, _SNDMORE if i < last else 0, copy=not isinstance(f, memoryview))
         self._poke()
         return True
 
@@ -321,7 +335,7 @@ class Channel:
                 self._check_peers()
                 if self._try_send(frames):
                     return
-            elif not await self._wait(loop, zmq.POLLOUT, deadline):
+            elif not await self._wait(loop, _POLLOUT, deadline):
                 break
             elif self._try_send(frames):
                 return
@@ -349,17 +363,22 @@ class Channel:
         while True:
             if self.codec.has_outbox():
                 self._flush_outbox()
-            # Between messages, never with one in hand; and queued input first: a peer
-            # whose heartbeats wait in our queue is late, not dead.
-            if self._peers_due() and not self._events() & zmq.POLLIN:
-                self._check_peers()
-            frames = self._try_recv()
-            if frames is None:
-                if not await self._wait(loop, zmq.POLLIN, deadline):
+            # ZMQ_EVENTS first, not a recv that raises zmq.Again: one call either way,
+            # and when nothing is queued it is also the re-arm that `_wait` needs.
+            events = self._events()
+            if not events & _POLLIN:
+                # Between messages, never with one in hand; and queued input first: a peer
+                # whose heartbeats wait in our queue is late, not dead.
+                if self._peers_due():
+                    self._check_peers()
+                if not await self._wait(loop, _POLLIN, deadline, events):
                     raise TransportTimeout(
                         f"channel {self.name}: nothing received for {timeout}s; "
                         f"raise `{timeout_setting}` if the peer is just slow"
                     )
+                continue
+            frames = self._try_recv()
+            if frames is None:
                 continue
             try:
                 got = self._decode(frames)
@@ -393,20 +412,23 @@ class Channel:
     def _try_recv(self) -> list[Any] | None:
         sock = self._sock
         try:
-            first = sock.recv(zmq.NOBLOCK)
+            first = sock.recv(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
         except zmq.ZMQError as exc:
             raise PeerDeadError(f"channel {self.name}: receive failed: {exc}") from exc
         self._poke()
-        frames: list[Any] = [first]
         # Identity, kind and header are small: bytes are cheapest. Tensor frames stay zmq
-        # Frames (no copy until the codec copies them once into tensor memory).
+        # Frames (no copy until the codec copies them once into tensor memory). Frames
+        # carry their RCVMORE bit (`more`): no getsockopt per part.
+        frames: list[Any] = [first.bytes]
         n_small = 3 if self._router else 2
-        while sock.getsockopt(zmq.RCVMORE):
-            part = sock.recv(0, copy=len(frames) < n_small)
+        more = first.more
+        while more:
+            part = sock.recv(0, copy=False)
+            more = part.more
             if len(frames) <= _MAX_PARTS:  # beyond: drain but drop; decode rejects it
-                frames.append(part)
+                frames.append(part.bytes if len(frames) < n_small else part)
         return frames
 
     def _decode(self, frames: list[Any]) -> Received | None:
@@ -493,6 +515,7 @@ class Channel:
         return loop
 
     def _unbind_loop(self) -> None:
+        self._cancel_timer()
         old, self._loop = self._loop, None
         if old is not None and not old.is_closed():
             with contextlib.suppress(RuntimeError, ValueError, OSError):
@@ -500,16 +523,21 @@ class Channel:
 
     def _events(self) -> int:
         """ZMQ_EVENTS (POLLIN | POLLOUT bits); reading it re-arms the edge-triggered fd."""
-        return cast(int, self._sock.getsockopt(zmq.EVENTS))
+        return cast(int, self._sock.getsockopt(_EVENTS))
 
     def _on_readable(self) -> None:
         if self._closed:
             return
-        self._sock.getsockopt(zmq.EVENTS)  # re-arms the edge-triggered fd
-        self._wake()
+        if self._waiters[_POLLIN] or self._waiters[_POLLOUT]:
+            # Each sleeper re-reads ZMQ_EVENTS or retries its operation before it sleeps
+            # again, which re-arms the fd. The loop's poll is level-triggered: should none
+            # of them get to it (cancelled meanwhile), this runs again and drains it below.
+            self._wake()
+        else:
+            self._sock.getsockopt(_EVENTS)  # nobody to re-check: re-arm the fd here
 
-    def _wake(self, flag: int = zmq.POLLIN | zmq.POLLOUT) -> None:
-        for f in (zmq.POLLIN, zmq.POLLOUT):
+    def _wake(self, flag: int = _POLL_ANY) -> None:
+        for f in (_POLLIN, _POLLOUT):
             if flag & f and self._waiters[f]:
                 waiters, self._waiters[f] = self._waiters[f], []
                 for fut in waiters:
@@ -520,21 +548,27 @@ class Channel:
         """An operation of ours succeeded; it may have consumed the fd's edge while the
         socket holds more for others (a second message, room to send): let every sleeper
         re-check. Free when nobody sleeps, which is the common case."""
-        if self._waiters[zmq.POLLIN] or self._waiters[zmq.POLLOUT]:
+        if self._waiters[_POLLIN] or self._waiters[_POLLOUT]:
             self._wake()
 
     async def _wait(
-        self, loop: asyncio.AbstractEventLoop, flag: int, deadline: float | None
+        self,
+        loop: asyncio.AbstractEventLoop,
+        flag: int,
+        deadline: float | None,
+        events: int | None = None,
     ) -> bool:
         """Wait until the socket may have `flag` (True: the caller retries its operation,
         which may still find nothing) or `deadline` passes (False); raise PeerDeadError if
-        a watched peer dies meanwhile."""
+        a watched peer dies meanwhile. `events`: ZMQ_EVENTS as the caller just read it,
+        with no socket operation since (else it is read here)."""
         if self._closed:
             raise PipelineError(f"channel {self.name} is closed")
         # Reading EVENTS re-arms the fd: only after this may we sleep on it. If it shows
         # what the other kind of sleeper waits for, wake them: the edge is gone now.
-        events = self._events()
-        other = flag ^ (zmq.POLLIN | zmq.POLLOUT)
+        if events is None:
+            events = self._events()
+        other = flag ^ _POLL_ANY
         if events & other and self._waiters[other]:
             self._wake(other)
         if events & flag:
@@ -551,17 +585,28 @@ class Channel:
                 wake_at = at if wake_at is None else min(wake_at, at)
         fut = loop.create_future()
         self._waiters[flag].append(fut)
-        if wake_at is None:
-            await fut
-        else:
-            timer = loop.call_at(wake_at, _resolve, fut)
-            try:
-                await fut
-            finally:
-                timer.cancel()
+        if wake_at is not None and wake_at < self._timer_at:
+            self._arm_timer(loop, wake_at)
+        await fut
         if self._closed:
             raise PipelineError(f"channel {self.name} is closed")
         return deadline is None or loop.time() < deadline or bool(self._events() & flag)
+
+    def _arm_timer(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        self._cancel_timer()
+        self._timer_at = when
+        self._timer = loop.call_at(when, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        timer, self._timer, self._timer_at = self._timer, None, math.inf
+        if timer is not None:
+            timer.cancel()
+
+    def _on_timer(self) -> None:
+        # Every sleeper re-checks its own deadline; those not due yet sleep again and
+        # re-arm the timer for the earliest of them.
+        self._timer, self._timer_at = None, math.inf
+        self._wake()
 
     def _peers_due(self) -> bool:
         if self.peers is None:
@@ -656,8 +701,3 @@ def _header_of(frames: list[Any]) -> Msg | None:
         return protocol.decode(frames)[0]
     except ProtocolError:
         return None
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
