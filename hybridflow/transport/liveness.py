@@ -33,13 +33,10 @@ import os
 import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hybridflow.errors import PeerDeadError, StageDeadError
-from hybridflow.transport.protocol import Heartbeat, StageState
-
-if TYPE_CHECKING:
-    from hybridflow.transport.channel import Channel
+from hybridflow.transport.protocol import Heartbeat, Msg, StageState
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +194,16 @@ class PeerTable:
             await asyncio.sleep(delay + 1e-3)
 
 
+class BeatChannel(Protocol):
+    """What a Heartbeater needs of its channel (a `transport.channel.Channel`), typed here:
+    the channel imports this module for `PeerTable`, never the other way round."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def try_send(self, msg: Msg, *, to: bytes | None = None) -> bool: ...
+
+
 class Heartbeater:
     """Sends `Heartbeat(stage, replica, seq, state, pid)` on `channel` every `interval_s`.
 
@@ -208,7 +215,7 @@ class Heartbeater:
 
     def __init__(
         self,
-        channel: Channel,
+        channel: BeatChannel,
         *,
         stage: str,
         replica: int = 0,

@@ -57,10 +57,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hybridflow.config.loader import from_dict, to_dict
 from hybridflow.config.schema import (
@@ -83,10 +83,31 @@ from hybridflow.pipeline.sources.datasets import (
 )
 
 if TYPE_CHECKING:
-    from hybridflow.pipeline.api.builder import DataflowBuilder
     from hybridflow.pipeline.runtime.coordinator import RunResult
     from hybridflow.pipeline.runtime.session import Session
     from hybridflow.pipeline.runtime.validation import Validator
+
+
+class Declarations(Protocol):
+    """What the Engine reads of the `DataflowBuilder` that made it (`builder.build`): the
+    declarations it compiles and places, and the two it changes (`use_policy`). Typed here,
+    not imported, so that builder -> engine is the only import between the two modules;
+    the fingerprint of the declarations is `vars()` of the builder."""
+
+    @property
+    def dataset(self) -> Any: ...
+
+    @property
+    def step_spec(self) -> tuple[tuple[str, ...], tuple[str, ...], str] | None: ...
+
+    compile: Callable[[], CompiledStep]
+    topology: Callable[..., Topology]  # DataflowBuilder.topology's keyword settings
+
+    def tokenizer_options(self) -> dict[str, Any]: ...
+
+    def actor_options(self) -> dict[str, Any]: ...
+
+    def use_policy(self, model_dir: str) -> None: ...
 
 
 @dataclass
@@ -122,7 +143,7 @@ class _Declared:
 class Engine:
     """Runs what a DataflowBuilder declared (see the module docstring)."""
 
-    def __init__(self, builder: DataflowBuilder, settings: dict[str, Any], launcher: Any) -> None:
+    def __init__(self, builder: Declarations, settings: dict[str, Any], launcher: Any) -> None:
         self.builder = builder
         self.settings = settings
         self.launcher = launcher
