@@ -310,16 +310,7 @@ class SamplesSink:
         self.path = run_dir / SAMPLES_FILE
         self.samples_per_step = samples_per_step
         self.parser = tool_parser(topology)
-        kept: list[str] = []
-        if start_step > 0 and self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue  # a line cut by a crash
-                step = row.get("step") if isinstance(row, dict) else None
-                if isinstance(step, int) and step < start_step:
-                    kept.append(line)
+        kept = lines_before(self.path, start_step) if start_step > 0 else []
         self._f = self.path.open("w", encoding="utf-8")
         self._f.writelines(line + "\n" for line in kept)
         self._f.flush()
@@ -353,3 +344,20 @@ def sample_sinks(sinks: Iterable[Any]) -> list[SamplesSink]:
 def samples_wanted(sinks: Iterable[Any]) -> int:
     """How many rows a step keeps for its sample sinks (0: none)."""
     return max((int(getattr(s, "samples_per_step", 0)) for s in sample_sinks(sinks)), default=0)
+
+
+def lines_before(path: Path, start_step: int) -> list[str]:
+    """The lines of jsonl file `path` whose row has an int `step` < `start_step` (what a
+    run resumed at `start_step` keeps); lines cut by a crash are dropped."""
+    kept: list[str] = []
+    if not path.is_file():
+        return kept
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, int) and step < start_step:
+            kept.append(line)
+    return kept

@@ -59,7 +59,7 @@ from hybridflow.config.schema import (
 from hybridflow.data.batching import decode_metadata, unpad
 from hybridflow.errors import ConfigError, PipelineError
 from hybridflow.pipeline.compiler.plan import Plan, build_plan, role_classes
-from hybridflow.pipeline.observe.samples import SampleRow, ground_truth, row_of
+from hybridflow.pipeline.observe.samples import SampleRow, ground_truth, lines_before, row_of
 from hybridflow.pipeline.observe.validation import ValSample, validation_metrics
 from hybridflow.pipeline.sources.registry import create_source
 
@@ -223,17 +223,8 @@ class Validator:
         path = self.generations_path
         if not path.is_file():
             return
-        kept = []
-        if start_step > 0:
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue  # a line cut by a crash
-                step = row.get("step") if isinstance(row, dict) else None
-                if isinstance(step, int) and step < start_step:
-                    kept.append(line + "\n")
-        path.write_text("".join(kept), encoding="utf-8")
+        kept = lines_before(path, start_step) if start_step > 0 else []
+        path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
     def _has(self, value: str) -> bool:
         return any(value in op.outputs for op in self.topology.dataflow)
