@@ -323,7 +323,11 @@ function sampleQuery() {
 async function refreshSamples(total, force) {
   const query = sampleQuery();
   if (!force && query === state.sampleQuery && total === state.sampleTotal) return;
+  const seq = (state.sampleSeq = (state.sampleSeq || 0) + 1);
   const res = await getJSON(`/api/samples?${query}`);
+  // A newer request (a filter changed, or the next poll) went out meanwhile: its answer,
+  // not this older one, is what the table must show (responses may arrive out of order).
+  if (seq !== state.sampleSeq || query !== sampleQuery()) return;
   state.sampleQuery = query;
   state.sampleTotal = res.total;
   fillSelect($("f-split"), res.splits, "", "all");
