@@ -29,7 +29,7 @@ from pipeline_helpers import RecordingLauncher, leftovers
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.pipeline.runtime.runner import run_topology
 from hybridflow.pipeline.runtime.session import _ipc_dir, sweep_stale_ipc_dirs
 from hybridflow.transport import protocol, shm
@@ -95,8 +95,10 @@ class _Impostor:
             sock.send_multipart(protocol.encode(result))  # and without tensors
             time.sleep(1.0)  # the coordinator has read them by now
             self.segment_survived = os.path.exists(f"/dev/shm/{self.segment}")
-            self.checked.set()
+            # Unlinked before `checked` is set: the launcher's stop waits for it and then
+            # sweeps the run's segments, which would race this unlink.
             os.unlink(f"/dev/shm/{self.segment}")
+            self.checked.set()
             while not self.stop.is_set():  # stays connected, holding `reward/0`
                 if sock.poll(100):
                     msg, _, _ = protocol.decode(sock.recv_multipart())
