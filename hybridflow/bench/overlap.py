@@ -29,7 +29,7 @@ from typing import Any
 
 from hybridflow.config.loader import from_dict, to_dict
 from hybridflow.config.schema import Topology, load_topology
-from hybridflow.pipeline.compiler.plan import Plan, build_plan
+from hybridflow.pipeline.plan.planner import Plan, build_plan
 from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.runner import run_topology
 

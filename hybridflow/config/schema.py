@@ -15,7 +15,7 @@ A topology file (YAML) names
 Consumes plain data (via `loader.from_dict`); produces a validated `Topology`.
 Invariant: a `Topology` that exists passed every check here; checks that need the
 backend/data-source/driver registries (which live in stages/ and pipeline/) run in
-`hybridflow.pipeline.compiler.plan`, because config imports nothing from them.
+`hybridflow.pipeline.plan.planner`, because config imports nothing from them.
 Every error is a `ConfigError` whose path is the dotted key and whose text says the fix.
 """
 

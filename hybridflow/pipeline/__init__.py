@@ -19,8 +19,8 @@ from typing import Any
 _EXPORTS = {
     "run_topology": "hybridflow.pipeline.runtime.runner",
     "RunResult": "hybridflow.pipeline.runtime.coordinator",
-    "build_plan": "hybridflow.pipeline.compiler.plan",
-    "Plan": "hybridflow.pipeline.compiler.plan",
+    "build_plan": "hybridflow.pipeline.plan.planner",
+    "Plan": "hybridflow.pipeline.plan.planner",
     "Launcher": "hybridflow.pipeline.runtime.launcher",
     "LocalLauncher": "hybridflow.pipeline.runtime.launcher",
     "ProcessSpec": "hybridflow.pipeline.runtime.launcher",

@@ -159,7 +159,7 @@ class ActorOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions, Log
 class Actor(ShardedModelRole, RoleBase):
     """Registered as ("actor", "hf")."""
 
-    options_cls = ActorOptions  # checked at plan time too (pipeline/compiler/plan.py)
+    options_cls = ActorOptions  # checked at plan time too (pipeline/plan/planner.py)
     trainable = True
 
     def __init__(self) -> None:

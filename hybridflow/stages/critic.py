@@ -65,7 +65,7 @@ class CriticOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions):
 class Critic(ShardedModelRole, RoleBase):
     """Registered as ("critic", "hf")."""
 
-    options_cls = CriticOptions  # checked at plan time too (pipeline/compiler/plan.py)
+    options_cls = CriticOptions  # checked at plan time too (pipeline/plan/planner.py)
     trainable = True
 
     def __init__(self) -> None:

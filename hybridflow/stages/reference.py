@@ -63,7 +63,7 @@ class ReferenceOptions(ModelOptions, ShardingOptions, LogprobOptions):
 class Reference(ShardedModelRole, RoleBase):
     """Registered as ("reference", "hf")."""
 
-    options_cls = ReferenceOptions  # checked at plan time too (pipeline/compiler/plan.py)
+    options_cls = ReferenceOptions  # checked at plan time too (pipeline/plan/planner.py)
 
     def __init__(self) -> None:
         self.opts: ReferenceOptions | None = None

@@ -87,7 +87,7 @@ class SyntheticRole(RoleBase):
     """Plays any op the dataflow gives it: its declaration is the dataflow's (scope and
     outputs come from the config), so `find_op` answers for every name."""
 
-    options_cls = SyntheticOptions  # checked at plan time too (pipeline/compiler/plan.py)
+    options_cls = SyntheticOptions  # checked at plan time too (pipeline/plan/planner.py)
 
     @classmethod
     def find_op(cls, name: str) -> OpSpec:

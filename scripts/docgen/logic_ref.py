@@ -30,7 +30,8 @@ def _names(names: tuple[str, ...]) -> str:
 
 
 def render_logic() -> str:
-    from hybridflow.pipeline.compiler import expr, grammar
+    from hybridflow.pipeline.compiler import grammar
+    from hybridflow.pipeline.driver import expr
 
     logic_roles: dict[str, list[str]] = {}
     for logic_name, runtime in grammar.ROLES.items():

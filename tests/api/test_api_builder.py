@@ -10,7 +10,7 @@ from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import CompileError, ConfigError
 from hybridflow.pipeline.api.placement import normalize, place
-from hybridflow.pipeline.compiler.plan import build_plan, describe
+from hybridflow.pipeline.plan.planner import build_plan, describe
 
 SEED = """
 response = actor.generate(prompt)
@@ -289,7 +289,7 @@ def test_a_rollout_mapped_apart_gets_its_own_process_and_a_weight_sync():
         "rollout": ["rollout"],
     }
     assert [op.label for op in topo.dataflow][-2:] == ["actor.reshard", "rollout.load_weights"]
-    from hybridflow.pipeline.compiler.weight_links import links
+    from hybridflow.pipeline.plan.weight_links import links
 
     assert len(links(topo)) == 1  # the disaggregated reshard is wired from the topology
     with pytest.raises(ConfigError, match="share cuda:0 without being identical"):

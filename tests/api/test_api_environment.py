@@ -8,7 +8,7 @@ import pytest
 
 from hybridflow import DataflowBuilder
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.plan.planner import build_plan
 
 GRPO = """
 response = actor.generate(prompt, n=4)

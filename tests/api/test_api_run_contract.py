@@ -20,7 +20,7 @@ from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import CompileError, ConfigError
 from hybridflow.pipeline.checkpoint.store import policy_weights
-from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.plan.planner import build_plan
 
 REWARD = "hybridflow.data.tasks:last_digit_reward"
 GENERATE_AND_SCORE = """
@@ -184,7 +184,7 @@ def test_op_and_option_typos_fail_at_validate_with_their_keys():
     data["dataflow"].append(
         {
             "role": "driver",
-            "op": "hybridflow.pipeline.compiler.expr:arith",
+            "op": "hybridflow.pipeline.driver.expr:arith",
             "inputs": ["rewards"],
             "outputs": ["bonus"],
             "params": {"expr": "2 * rewards", "ouptut": "bonus"},

@@ -14,9 +14,9 @@ from hybridflow.cli import main
 from hybridflow.config.loader import MAX_YAML_NODES, apply_overrides, parse_yaml
 from hybridflow.config.schema import CheckpointConfig, load_topology
 from hybridflow.errors import CompileError, ConfigError
-from hybridflow.pipeline.compiler.expr import arith
 from hybridflow.pipeline.compiler.frontend import compile_step
-from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.driver.expr import arith
+from hybridflow.pipeline.plan.planner import build_plan
 
 ACTOR = "stages.engine.roles.actor.options"
 

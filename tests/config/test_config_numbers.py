@@ -17,7 +17,7 @@ import hybridflow.config
 from hybridflow.config.loader import parse_yaml
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.stages.actor import ActorOptions
 
 ACTOR = "stages.engine.roles.actor.options"

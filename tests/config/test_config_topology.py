@@ -12,7 +12,7 @@ import pytest
 from hybridflow.config.loader import config_hash, from_dict, to_dict
 from hybridflow.config.schema import Topology, load_topology, preset_names
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.plan.planner import build_plan
 
 
 def base() -> dict[str, Any]:
@@ -322,7 +322,7 @@ def test_stage_hosts_are_checked_and_say_where_each_replica_runs():
     machine mean here; another name is a node, whose GPUs this machine does not count."""
     import socket
 
-    from hybridflow.pipeline.compiler.plan import build_plan
+    from hybridflow.pipeline.plan.planner import build_plan
 
     data = edit("stages.reward.hosts", ["node1", "node2"])
     with pytest.raises(ConfigError, match=r"^stages.reward.hosts: lists 2 host\(s\) for 1"):

@@ -19,8 +19,8 @@ from hybridflow.cli import main
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import CompileError, ConfigError
 from hybridflow.pipeline.compiler.frontend import compile_step
-from hybridflow.pipeline.compiler.plan import build_plan
 from hybridflow.pipeline.driver.registry import resolve_driver_op
+from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.pipeline.runtime.runner import run_topology
 
 DAPO = """

@@ -14,10 +14,10 @@ import torch
 from hybridflow.cli import main
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.compiler.plan import build_plan
 from hybridflow.pipeline.driver.registry import resolve_driver_op
 from hybridflow.pipeline.observe.metrics import derive_step_metrics
 from hybridflow.pipeline.observe.plot import plot_run, reward_summary
+from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.pipeline.sources.rl import GroupedPrompts
 
 RL_PRESETS = ("grpo", "ppo", "demo")

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 from hybridflow.config.schema import load_topology
-from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.plan.planner import build_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

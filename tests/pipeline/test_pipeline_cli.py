@@ -83,7 +83,7 @@ def test_validate_names_gpus_that_several_stage_processes_share(capsys):
     (each with its own allocator), which validate says, and an out-of-memory failure there
     names the other stages instead of pids. Planning needs no GPU."""
     from hybridflow.config.schema import load_topology
-    from hybridflow.pipeline.compiler.plan import build_plan
+    from hybridflow.pipeline.plan.planner import build_plan
     from hybridflow.pipeline.runtime.coordinator import oom_hint
 
     cfg = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "configs", "ppo-4gpu.yaml")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybridflow.config.schema import LivenessConfig
 from hybridflow.errors import StageError
-from hybridflow.pipeline.compiler.plan import ProcessInfo
+from hybridflow.pipeline.plan.planner import ProcessInfo
 from hybridflow.pipeline.runtime.launcher import ProcessExit
 from hybridflow.pipeline.runtime.peers import StagePeer, check_deadlines, check_liveness
 from hybridflow.transport.liveness import PeerTable

@@ -16,9 +16,9 @@ import torch
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import PipelineError, StageError
-from hybridflow.pipeline.compiler.plan import Plan, build_plan
 from hybridflow.pipeline.driver.registry import resolve_driver_op
 from hybridflow.pipeline.observe.metrics import is_counter, reduce_step_metric
+from hybridflow.pipeline.plan.planner import Plan, build_plan
 from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Scheduler, concat_rows
 from hybridflow.pipeline.sources.registry import create_source
 from hybridflow.stages.base import StageContext

@@ -19,9 +19,9 @@ from pipeline_helpers import small_topology
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import ConfigError
 from hybridflow.pipeline.api.builder import _metrics_section
-from hybridflow.pipeline.compiler.plan import build_plan
 from hybridflow.pipeline.observe import trackers
 from hybridflow.pipeline.observe.metrics import TensorBoardSink
+from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.pipeline.runtime.runner import run_topology
 
 pytest.importorskip("wandb")
@@ -219,7 +219,7 @@ def test_trackers_are_imported_only_when_configured(tmp_path):
         "from pipeline_helpers import small_topology;"
         "from pathlib import Path;"
         "from hybridflow.config.schema import load_topology;"
-        "from hybridflow.pipeline.compiler.plan import build_plan;"
+        "from hybridflow.pipeline.plan.planner import build_plan;"
         "d = small_topology(Path(sys.argv[2]));"
         "d['metrics'] = {'backends': ['jsonl', 'wandb', 'mlflow']};"
         "build_plan(load_topology(d));"

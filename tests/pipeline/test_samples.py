@@ -14,7 +14,6 @@ import torch
 from hybridflow.config.schema import load_topology
 from hybridflow.data.batching import encode_metadata
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.compiler.plan import build_plan
 from hybridflow.pipeline.observe.metrics import JsonlSink, MemorySink, make_sinks
 from hybridflow.pipeline.observe.samples import (
     SAMPLES_FILE,
@@ -23,6 +22,7 @@ from hybridflow.pipeline.observe.samples import (
     sample_record,
     samples_wanted,
 )
+from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Scheduler
 from hybridflow.stages.env.parsers import get_parser
 

@@ -22,7 +22,7 @@ from pipeline_helpers import RecordingLauncher, leftovers
 
 from hybridflow.config.schema import LivenessConfig, OpConfig, load_topology
 from hybridflow.errors import StageError
-from hybridflow.pipeline.compiler.plan import ProcessInfo
+from hybridflow.pipeline.plan.planner import ProcessInfo
 from hybridflow.pipeline.runtime.peers import StagePeer
 from hybridflow.pipeline.runtime.runner import run_topology
 from hybridflow.pipeline.runtime.watch import deadlines, waiting

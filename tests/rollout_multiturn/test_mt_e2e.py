@@ -15,7 +15,7 @@ from mt_helpers import SIMPLE, chat_tokenizer, tokenizer_dir
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.pipeline.runtime.runner import run_topology
 from hybridflow.stages.common import response_span
 from hybridflow.stages.env.builtin.guess_number import make_records

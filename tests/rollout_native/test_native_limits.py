@@ -18,7 +18,7 @@ from hybridflow.config.loader import from_dict
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import ConfigError
 from hybridflow.models.loader import load_model, load_tokenizer
-from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.stages.rollout.native import limits
 from hybridflow.stages.rollout.native.role import NativeRollout, NativeRolloutOptions
 

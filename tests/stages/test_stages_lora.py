@@ -116,7 +116,7 @@ def test_bad_lora_options_name_the_key(key, value, message):
 
 def test_lora_on_a_role_that_does_not_train_is_a_config_error():
     from hybridflow.config.schema import load_topology
-    from hybridflow.pipeline.compiler.plan import build_plan
+    from hybridflow.pipeline.plan.planner import build_plan
 
     for role in ("reference", "rollout"):
         topo = load_topology("grpo", [f"stages.engine.roles.{role}.options.lora_rank=8"])

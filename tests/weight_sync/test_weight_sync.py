@@ -17,10 +17,10 @@ from ws_helpers import disaggregated
 
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import ConfigError, PeerDeadError, PipelineError, TransportTimeout
-from hybridflow.pipeline.compiler.plan import build_plan, describe, describe_text
-from hybridflow.pipeline.compiler.weight_links import identity, links, sync_partners
 from hybridflow.pipeline.host.weight_stream import WINDOW, WeightReceiver, WeightSender
 from hybridflow.pipeline.host.weight_sync import endpoints
+from hybridflow.pipeline.plan.planner import build_plan, describe, describe_text
+from hybridflow.pipeline.plan.weight_links import identity, links, sync_partners
 from hybridflow.transport import auth
 from hybridflow.transport.channel import Channel
 from hybridflow.transport.protocol import Hello, Weights

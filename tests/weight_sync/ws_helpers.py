@@ -83,7 +83,7 @@ def disaggregated(tmp_path: Path, *, steps: int = 2, k: int = 0, **actor: Any) -
                 {"role": "actor", "op": "get_logprob", "inputs": seq, "outputs": ["old_logprobs"]},
                 {
                     "role": "driver",
-                    "op": "hybridflow.pipeline.compiler.expr:arith",
+                    "op": "hybridflow.pipeline.driver.expr:arith",
                     "inputs": ["rollout_logprobs", "response_mask"],
                     "outputs": ["advantages"],
                     "params": {"expr": "0.0 * rollout_logprobs + 1.0", "output": "advantages"},

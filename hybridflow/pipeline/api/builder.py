@@ -15,7 +15,7 @@
 
 "Logically unified declaration, physically distributed on demand": the builder holds
 declarations only (roles, models, device mappings, the step logic). `build()` compiles
-the logic (pipeline/compiler.py), places roles on processes (pipeline/placement.py) and
+the logic (pipeline/compiler/), places roles on processes (pipeline/api/placement.py) and
 checks the result as a Topology, so every mistake surfaces there, before any process
 starts. `to_yaml()` writes that Topology: `hybridflow run FILE` runs the same plan.
 
@@ -506,7 +506,7 @@ class DataflowBuilder:
         `launcher`: None (processes on this host), "ray" (a RayLauncher on the cluster
         of RAY_ADDRESS, else a local one: node names in `device_mapping` are Ray hosts)
         or a Launcher object."""
-        from hybridflow.pipeline.compiler.plan import build_plan
+        from hybridflow.pipeline.plan.planner import build_plan
 
         if launcher == "ray":
             from hybridflow.pipeline.runtime.ray_launcher import RayLauncher

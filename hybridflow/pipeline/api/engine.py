@@ -74,7 +74,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.pipeline.checkpoint import store as ckpt
 from hybridflow.pipeline.compiler.frontend import CompiledStep
 from hybridflow.pipeline.compiler.ir import StepOutput
-from hybridflow.pipeline.compiler.plan import Plan, build_plan
+from hybridflow.pipeline.plan.planner import Plan, build_plan
 from hybridflow.pipeline.runtime.watch.rundir_lock import DirLock, release_all, take_locks
 from hybridflow.pipeline.sources.datasets import (
     dataset_source,

@@ -1,8 +1,8 @@
-"""The step-logic compiler: the user's logic (Python or YAML) -> typed IR -> dataflow ops,
-and the topology -> `Plan` (which op runs where, what waits for what). Pure: no
-processes, no sockets. Modules: grammar (value kinds, op tables, parser), frontend
-(names/kinds checks: text -> ir.StepIR), ir (the typed IR: frozen dataclasses), lowering
-(StepIR -> dataflow ops), expr (driver expressions), plan (topology -> Plan),
-weight_links (which reshard feeds which load_weights). Imports run one way:
+"""The step-logic compiler: the user's logic (Python or YAML) -> typed IR -> dataflow ops.
+Pure: no processes, no sockets, and only `pipeline/api/` imports it (the import contract
+in `make lint` says so); what runs the ops is planned by `pipeline/plan/`. Modules:
+grammar (value kinds, op tables, parser), frontend (names/kinds checks: text ->
+ir.StepIR), ir (the typed IR: frozen dataclasses), lowering (StepIR -> dataflow ops).
+The driver expressions it emits run in `pipeline/driver/expr.py`. Imports run one way:
 frontend -> lowering -> grammar -> ir.
 """

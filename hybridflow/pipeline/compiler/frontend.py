@@ -44,7 +44,6 @@ from typing import Any
 
 from hybridflow.algos.kl import KL_ALIASES, KL_KINDS
 from hybridflow.errors import CompileError
-from hybridflow.pipeline.compiler import expr as expr_ops
 from hybridflow.pipeline.compiler.grammar import (
     ALGORITHMS,
     INPUTS,
@@ -69,6 +68,7 @@ from hybridflow.pipeline.compiler.ir import (
     Value,
 )
 from hybridflow.pipeline.compiler.lowering import lower
+from hybridflow.pipeline.driver import expr as expr_ops
 
 __all__ = [
     "ALGORITHMS",

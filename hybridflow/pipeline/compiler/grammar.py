@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS
 from hybridflow.errors import CompileError
-from hybridflow.pipeline.compiler import expr as expr_ops
 from hybridflow.pipeline.compiler.ir import Scalar
+from hybridflow.pipeline.driver import expr as expr_ops
 
 # ---------------------------------------------------------------------------------------
 # THE name table: what a logic value stands for on the wire.

@@ -71,8 +71,8 @@ _ACTOR_LOSS_OPTIONS = {
     "loss_agg_mode": "loss_agg_mode",
     "loss_norm_len": "loss_norm_len",
 }
-ARITH_OP = "hybridflow.pipeline.compiler.expr:arith"
-SCORE_ADV_OP = "hybridflow.pipeline.compiler.expr:ScoreAdvantages"
+ARITH_OP = "hybridflow.pipeline.driver.expr:arith"
+SCORE_ADV_OP = "hybridflow.pipeline.driver.expr:ScoreAdvantages"
 
 
 @dataclass(frozen=True)

@@ -68,9 +68,9 @@ from hybridflow.config.loader import config_hash, from_dict
 from hybridflow.config.schema import RoleConfig, Topology
 from hybridflow.errors import ConfigError, HybridflowError
 from hybridflow.pipeline.checkpoint import store as checkpoint
-from hybridflow.pipeline.compiler.plan import role_ops
 from hybridflow.pipeline.host.dispatch import Dispatcher, Mode
 from hybridflow.pipeline.host.weight_sync import StageWeightSync
+from hybridflow.pipeline.plan.planner import role_ops
 from hybridflow.stages import StageContext, create_role
 from hybridflow.stages.base import Role
 from hybridflow.stages.contract import OpSpec, Scope

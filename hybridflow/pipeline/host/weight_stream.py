@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from hybridflow.errors import BatchError, PeerDeadError, PipelineError, TransportTimeout
-from hybridflow.pipeline.compiler.weight_links import Tier, identity
+from hybridflow.pipeline.plan.weight_links import Tier, identity
 from hybridflow.transport import auth
 from hybridflow.transport.channel import Channel
 from hybridflow.transport.liveness import pid_alive

@@ -40,11 +40,6 @@ from typing import Any, Protocol, cast
 
 from hybridflow.config.schema import Topology
 from hybridflow.errors import BatchError, PipelineError
-from hybridflow.pipeline.compiler.weight_links import (
-    WeightLink,
-    identity,
-    links,
-)
 from hybridflow.pipeline.host.weight_stream import (
     DEFAULT_TIMEOUT_S,
     WINDOW,
@@ -52,6 +47,11 @@ from hybridflow.pipeline.host.weight_stream import (
     Metrics,
     WeightReceiver,
     WeightSender,
+)
+from hybridflow.pipeline.plan.weight_links import (
+    WeightLink,
+    identity,
+    links,
 )
 from hybridflow.transport.protocol import Task
 

@@ -73,10 +73,10 @@ from hybridflow.errors import (
     StageError,
 )
 from hybridflow.pipeline.checkpoint.store import Checkpointer, load_drivers, save_drivers
-from hybridflow.pipeline.compiler.plan import Plan, ProcessInfo
 from hybridflow.pipeline.driver.registry import resolve_driver_op
 from hybridflow.pipeline.observe.metrics import MetricsSink
 from hybridflow.pipeline.observe.samples import sample_sinks, samples_wanted
+from hybridflow.pipeline.plan.planner import Plan, ProcessInfo
 from hybridflow.pipeline.runtime.launcher import Launcher
 from hybridflow.pipeline.runtime.peers import StagePeer, check_deadlines, check_liveness
 from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Dispatch, Event, Scheduler

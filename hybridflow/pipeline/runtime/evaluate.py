@@ -27,7 +27,7 @@ from typing import Any
 from hybridflow.config.imports import cwd_off_path
 from hybridflow.config.schema import Topology
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.compiler.plan import build_plan
+from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.pipeline.runtime.runner import _load, check_dirs, checkpoint_of, honour_log_level
 from hybridflow.pipeline.runtime.session import Session, run_dir_of
 from hybridflow.pipeline.runtime.validation import Validator

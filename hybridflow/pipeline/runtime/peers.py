@@ -32,7 +32,7 @@ from typing import Any
 
 from hybridflow.config.schema import LivenessConfig
 from hybridflow.errors import StageDeadError, StageError
-from hybridflow.pipeline.compiler.plan import ProcessInfo
+from hybridflow.pipeline.plan.planner import ProcessInfo
 from hybridflow.pipeline.runtime.launcher import ProcessExit
 from hybridflow.transport.liveness import PeerTable
 from hybridflow.transport.protocol import Heartbeat

@@ -48,14 +48,14 @@ from hybridflow.config.schema import Topology, load_topology
 from hybridflow.errors import ConfigError, StageError
 from hybridflow.pipeline.checkpoint import store as ckpt
 from hybridflow.pipeline.checkpoint.store import Checkpointer
-from hybridflow.pipeline.compiler.plan import (
+from hybridflow.pipeline.observe.metrics import MetricsSink, make_sinks
+from hybridflow.pipeline.plan.planner import (
     Plan,
     build_plan,
     describe,
     describe_text,
     trainer_stages,
 )
-from hybridflow.pipeline.observe.metrics import MetricsSink, make_sinks
 from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.launcher import Launcher
 from hybridflow.pipeline.runtime.session import STAGE_ENTRY, Session, places_hosts, run_dir_of

@@ -27,7 +27,7 @@ A step op's outputs come from its lowest replica. Steps finish in order; finishi
 s (all its ops done) sets `policy_version = s + 1`.
 
 Sharded ops (`PlannedOp.sharded`: a role whose replicas are the ranks of one FSDP group,
-compiler/plan.py) go to every rank at once, like step ops, because every rank must run
+plan/planner.py) go to every rank at once, like step ops, because every rank must run
 the same collectives in the same order: each rank gets its contiguous share of the rows
 (`shard_rows`; the plan makes micro_batch divisible by the ranks), and the task completes
 when all ranks answered, its outputs concatenated in rank order. Its metrics are the
@@ -53,7 +53,6 @@ from typing import Any, NamedTuple
 import torch
 
 from hybridflow.errors import PipelineError, StageError
-from hybridflow.pipeline.compiler.plan import DATA, Plan, PlannedOp
 from hybridflow.pipeline.observe.metrics import derive_step_metrics, reduce_step_metric
 from hybridflow.pipeline.observe.samples import (
     SAMPLE_FIELDS,
@@ -62,6 +61,7 @@ from hybridflow.pipeline.observe.samples import (
     sample_fields_extra,
     take_rows,
 )
+from hybridflow.pipeline.plan.planner import DATA, Plan, PlannedOp
 
 Batch = dict[str, torch.Tensor]
 DRIVER_REPLICA = -1

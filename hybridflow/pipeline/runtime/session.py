@@ -59,10 +59,10 @@ from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import Topology
 from hybridflow.errors import ConfigError, PipelineError
 from hybridflow.pipeline.checkpoint.store import Checkpointer
-from hybridflow.pipeline.compiler.plan import Plan
-from hybridflow.pipeline.compiler.weight_links import describe_links
 from hybridflow.pipeline.host.weight_sync import endpoints
 from hybridflow.pipeline.observe.metrics import MetricsSink, make_sinks
+from hybridflow.pipeline.plan.planner import Plan
+from hybridflow.pipeline.plan.weight_links import describe_links
 from hybridflow.pipeline.runtime.coordinator import Coordinator, RunResult, shutdown_peers
 from hybridflow.pipeline.runtime.launcher import (
     LAUNCHER_RENDEZVOUS,

@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridflow.pipeline.checkpoint.store import Checkpointer
-from hybridflow.pipeline.compiler.plan import Plan, build_plan
 from hybridflow.pipeline.observe.metrics import MetricsSink
 from hybridflow.pipeline.observe.samples import sample_sinks, samples_wanted
+from hybridflow.pipeline.plan.planner import Plan, build_plan
 from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.validation import Validator
 from hybridflow.pipeline.sources.registry import create_source

@@ -58,9 +58,9 @@ from hybridflow.config.schema import (
 )
 from hybridflow.data.batching import decode_metadata, unpad
 from hybridflow.errors import ConfigError, PipelineError
-from hybridflow.pipeline.compiler.plan import Plan, build_plan, role_classes
 from hybridflow.pipeline.observe.samples import SampleRow, ground_truth, lines_before, row_of
 from hybridflow.pipeline.observe.validation import ValSample, validation_metrics
+from hybridflow.pipeline.plan.planner import Plan, build_plan, role_classes
 from hybridflow.pipeline.sources.registry import create_source
 
 GENERATIONS_FILE = "val_generations.jsonl"

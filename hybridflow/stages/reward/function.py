@@ -143,7 +143,7 @@ class FunctionRewardOptions:
 class FunctionReward(RoleBase):
     """Registered as ("reward", "function")."""
 
-    options_cls = FunctionRewardOptions  # checked at plan time too (pipeline/compiler/plan.py)
+    options_cls = FunctionRewardOptions  # checked at plan time too (pipeline/plan/planner.py)
 
     def __init__(self) -> None:
         self.fn: RewardFn | None = None

@@ -44,7 +44,7 @@ class ModelRewardOptions(ModelOptions):
 class ModelReward(RoleBase):
     """Registered as ("reward", "model")."""
 
-    options_cls = ModelRewardOptions  # checked at plan time too (pipeline/compiler/plan.py)
+    options_cls = ModelRewardOptions  # checked at plan time too (pipeline/plan/planner.py)
 
     def __init__(self) -> None:
         self.opts: ModelRewardOptions | None = None

@@ -93,7 +93,7 @@ class HFRollout(RolloutState, RoleBase):
     backend_name = "hf"
     runs_environments = True
 
-    options_cls = HFRolloutOptions  # checked at plan time too (pipeline/compiler/plan.py)
+    options_cls = HFRolloutOptions  # checked at plan time too (pipeline/plan/planner.py)
 
     def __init__(self) -> None:
         self.opts: HFRolloutOptions | None = None

@@ -119,7 +119,7 @@ _CPU_KV_CACHE_BYTES = 256 << 20
 class VLLMRollout(RolloutState, RoleBase):
     """Rollout role backed by a vLLM engine in this process. Registered as ("rollout", "vllm")."""
 
-    options_cls = VLLMRolloutOptions  # checked at plan time too (pipeline/compiler/plan.py)
+    options_cls = VLLMRolloutOptions  # checked at plan time too (pipeline/plan/planner.py)
     backend_name = "vllm"
 
     def __init__(self) -> None:

@@ -128,7 +128,7 @@ def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:
     if check_devices:
         _check_devices(topo)
     role_stage = topo.role_stage()
-    from hybridflow.pipeline.compiler.weight_links import sync_partners
+    from hybridflow.pipeline.plan.weight_links import sync_partners
 
     # A reshard streaming to another stage and that stage's load_weights run together.
     partners = sync_partners(topo)
@@ -387,7 +387,7 @@ def describe(plan: Plan) -> dict[str, Any]:
 
 
 def _weight_links(t: Topology) -> dict[str, Any]:
-    from hybridflow.pipeline.compiler.weight_links import describe_links
+    from hybridflow.pipeline.plan.weight_links import describe_links
 
     found = describe_links(t)
     return {"weight_sync": found} if found else {}
