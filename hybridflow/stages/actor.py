@@ -274,7 +274,7 @@ class Actor(ShardedModelRole, RoleBase):
         assert o is not None and t is not None
         where = "actor.update"
         check_sequences(batch, where, self.model.config.vocab_size)
-        mb = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+        mb = {k: batch[k] for k in SEQUENCE_FIELDS}
         mask = batch["response_mask"]
         mb["advantages"] = _field(batch, "advantages", mask, where)
         if o.old_logprob_key in batch:

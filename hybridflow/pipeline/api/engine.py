@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hybridflow.config.fields import SEQUENCE_FIELDS
 from hybridflow.config.loader import from_dict, to_dict
 from hybridflow.config.schema import (
     MetricsConfig,
@@ -122,9 +123,8 @@ class TrainResult:
     validation: list[dict[str, float]] = field(default_factory=list)  # val/ rows, step incl.
 
 
-_SFT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 _SFT_OPS = (
-    OpConfig(role="actor", op="sft_update", inputs=_SFT_FIELDS, phase="train"),
+    OpConfig(role="actor", op="sft_update", inputs=SEQUENCE_FIELDS, phase="train"),
     OpConfig(role="actor", op="optimizer_step", scope="step", phase="train"),
     OpConfig(role="actor", op="reshard", scope="step", phase="reshard"),
 )
@@ -380,7 +380,7 @@ class Engine:
                 data=dataclasses.replace(
                     base.data,
                     source="sft",
-                    fields=_SFT_FIELDS,
+                    fields=SEQUENCE_FIELDS,
                     options={
                         "source": dataset_source(chosen, self.log_dir),
                         **self.builder.tokenizer_options(),

@@ -21,6 +21,7 @@ import textwrap
 from dataclasses import dataclass
 
 from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS
+from hybridflow.config.fields import METADATA, PROMPT_FIELDS, RESPONSE_FIELDS
 from hybridflow.errors import CompileError
 from hybridflow.pipeline.compiler.ir import Scalar
 from hybridflow.pipeline.driver import expr as expr_ops
@@ -37,10 +38,8 @@ class Kind:
 
 
 KINDS: dict[str, Kind] = {
-    "prompt": Kind(("prompt_ids", "prompt_mask"), "", "prompts from the data source"),
-    "response": Kind(
-        ("response_ids", "response_mask"), "response_length/mean", "sampled responses"
-    ),
+    "prompt": Kind(PROMPT_FIELDS, "", "prompts from the data source"),
+    "response": Kind(RESPONSE_FIELDS, "response_length/mean", "sampled responses"),
     "score": Kind(("rewards",), "reward/mean", "one reward per sample [B]"),
     "actor_logprob": Kind(("old_logprobs",), "", "log pi(token) [B, R] before the update"),
     "ref_logprob": Kind(("ref_logprobs",), "", "log pi_ref(token) [B, R]"),
@@ -54,7 +53,7 @@ KINDS: dict[str, Kind] = {
 
 # Names `inputs=[...]` may use -> kind. Data fields the runtime reads for them:
 INPUTS: dict[str, str] = {"prompt": "prompt", "prompts": "prompt"}
-DATA_FIELDS = ("prompt_ids", "prompt_mask", "metadata_json")
+DATA_FIELDS = (*PROMPT_FIELDS, METADATA)
 
 # Logic role names -> runtime role names (topology roles).
 ROLES: dict[str, str] = {

@@ -29,9 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS, EstimatorSpec
+from hybridflow.config.fields import FIELDS, GENERATE_INPUTS, GENERATE_OUTPUTS, METADATA
+from hybridflow.config.fields import SEQUENCE_FIELDS as SEQ
 from hybridflow.config.schema import DRIVER_ROLE, OpConfig
 from hybridflow.errors import CompileError
-from hybridflow.pipeline.compiler.grammar import ESTIMATOR_OPTIONS, KINDS, SHAPING_OPTIONS
+from hybridflow.pipeline.compiler.grammar import (
+    DATA_FIELDS,
+    ESTIMATOR_OPTIONS,
+    KINDS,
+    SHAPING_OPTIONS,
+)
 from hybridflow.pipeline.compiler.ir import (
     KL,
     Apply,
@@ -52,7 +59,6 @@ def lower(ir: StepIR) -> CompiledStep:
     return _Lowering(ir).run()
 
 
-SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 # What a compiled step writes out for an estimator option the logic leaves unset (the
 # bundled presets' values; lam 0.95 is the PPO practice). Options not listed here are
 # left to the `advantages` op's own defaults.
@@ -158,15 +164,9 @@ class _Lowering:
         self.data_options["samples_per_prompt"] = n or 1
 
         ops: list[OpConfig] = [
-            OpConfig(
-                "rollout",
-                "generate",
-                ("prompt_ids", "prompt_mask"),
-                ("response_ids", "response_mask", "rollout_logprobs"),
-                phase="rollout",
-            )
+            OpConfig("rollout", "generate", GENERATE_INPUTS, GENERATE_OUTPUTS, phase="rollout")
         ]
-        fields = ["prompt_ids", "prompt_mask", "metadata_json"] + (["group_index"] if group else [])
+        fields = [*DATA_FIELDS, *(["group_index"] if group else [])]
         arith = self._emitted_arith(loss)
         need = self._needed(loss, arith)
         if "reward" in need:
@@ -174,7 +174,7 @@ class _Lowering:
                 OpConfig(
                     "reward",
                     "score",
-                    (*SEQ, "metadata_json", *(("group_index",) if group else ())),
+                    (*SEQ, METADATA, *(("group_index",) if group else ())),
                     ("rewards",),
                     phase="reward",
                 )
@@ -434,12 +434,7 @@ class _Lowering:
 
     def _arith_op(self, arith: Arith) -> OpConfig:
         name = arith.result.name
-        taken = (
-            {f for k in KINDS.values() for f in k.fields}
-            | set(SEQ)
-            | {"rollout_logprobs", "returns", "group_index", "metadata_json"}
-        )
-        if name in taken:
+        if name in FIELDS:  # every kind's fields are among them
             raise self.ir.error(
                 arith.line, f"{name!r} is a name the runtime uses; pick another value name"
             )

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridflow.config.fields import METADATA, SEQUENCE_FIELDS
 from hybridflow.data.batching import decode_metadata
 
 if TYPE_CHECKING:
@@ -52,20 +53,17 @@ log = logging.getLogger("hybridflow.samples")
 SAMPLES_FILE = "samples.jsonl"
 SampleRow = dict[str, torch.Tensor]  # one sample: every tensor has a leading dim of 1
 
-# The values a sample reads, where a step has them.
+# The values a sample reads, where a step has them (shapes: config/fields.py).
 SAMPLE_FIELDS = (
-    "sample_idx",  # [B] int64
-    "group_index",  # [B] int64, the prompt's number
-    "metadata_json",  # [B, L] uint8, the dataset record
-    "prompt_ids",  # [B, P] int64, left-padded
-    "prompt_mask",  # [B, P]
-    "response_ids",  # [B, R] int64, right-padded
-    "response_mask",  # [B, R] 1: model token, 0: observation or padding
-    "rewards",  # [B] float32
-    "reward_info",  # [B, L] uint8, the scorer's extras as JSON
-    "advantages",  # [B, R] float32
-    "num_turns",  # [B] int64, multi-turn only
-    "env_reward",  # [B] float32, multi-turn only
+    "sample_idx",
+    "group_index",  # the prompt's number
+    METADATA,  # the dataset record
+    *SEQUENCE_FIELDS,  # response_mask: 1 at model tokens, 0 at observations or padding
+    "rewards",
+    "reward_info",  # the scorer's extras as JSON
+    "advantages",
+    "num_turns",  # multi-turn only
+    "env_reward",  # multi-turn only
 )
 
 

@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import torch
 
+from hybridflow.config.fields import SEQUENCE_FIELDS
 from hybridflow.config.loader import from_dict
 from hybridflow.data.batching import collate_sft
 from hybridflow.data.prompts import DataOptions, epoch_order, make_item, uses_template
@@ -90,7 +91,7 @@ class SFTOptions:
 
 
 class SFTExamples:
-    FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "sample_idx")
+    FIELDS = (*SEQUENCE_FIELDS, "sample_idx")
 
     def __init__(self, fields: tuple[str, ...], options: Mapping[str, Any], seed: int) -> None:
         from hybridflow.models.loader import load_tokenizer

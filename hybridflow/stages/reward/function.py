@@ -66,6 +66,7 @@ from typing import Any, Literal
 
 import torch
 
+from hybridflow.config.fields import METADATA, SEQUENCE_FIELDS
 from hybridflow.config.imports import load_attr, split_spec
 from hybridflow.config.loader import from_dict
 from hybridflow.data.batching import encode_metadata, row_metadata, unpad
@@ -80,7 +81,7 @@ from hybridflow.stages.reward.per_sample import Outcome, PerSampleCaller, is_per
 log = logging.getLogger("hybridflow.reward.function")
 
 RewardFn = Callable[..., Any]
-_TEXT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "metadata_json")
+_TEXT_FIELDS = (*SEQUENCE_FIELDS, METADATA)
 # Metric names the reward op's extras may not take (they are the driver's reward stats).
 _RESERVED_EXTRAS = ("mean", "sq_mean", "std", "max", "min", "fn_s", "fn_failures")
 _LOGGED_FAILURES = 3  # failing samples named per call; the rest are counted
