@@ -41,104 +41,44 @@ finished step's rows come out of `pop_samples()` beside its metrics.
 Resuming (`start_step = r`): steps r, r+1, ... run as if steps 0..r-1 had finished
 (`policy_version = r`). `hold = h` (set by the coordinator while it checkpoints) keeps
 steps >= h from starting, so a checkpoint sees every role between two steps.
+
+A step's records (its values per micro-batch, timings, metric sums) and the arithmetic
+on its rows (joining micro-batches, slicing step values, sharding) are
+pipeline/runtime/steps.py; this module holds the rules alone.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
 
 import torch
 
 from hybridflow.errors import PipelineError, StageError
-from hybridflow.pipeline.observe.metrics import derive_step_metrics, reduce_step_metric
-from hybridflow.pipeline.observe.samples import (
-    SAMPLE_FIELDS,
-    SampleRow,
-    pick_rows,
-    sample_fields_extra,
-    take_rows,
+from hybridflow.pipeline.observe.samples import SAMPLE_FIELDS, SampleRow, pick_rows, take_rows
+from hybridflow.pipeline.plan.planner import Plan, PlannedOp
+from hybridflow.pipeline.runtime.steps import (
+    Batch,
+    Dispatch,
+    Event,
+    StepState,
+    TaskState,
+    concat_rows,
+    shard_rows,
 )
-from hybridflow.pipeline.plan.planner import DATA, Plan, PlannedOp
 
-Batch = dict[str, torch.Tensor]
+# Dispatch, Event and the row helpers are the scheduler's vocabulary: importable from here.
+__all__ = [
+    "DRIVER_REPLICA",
+    "Dispatch",
+    "Event",
+    "Scheduler",
+    "concat_rows",
+    "shard_rows",
+]
+
 DRIVER_REPLICA = -1
 MAX_EVENTS = 2_000_000  # ~100 B each: a long run's log stays bounded (recording just stops)
-
-
-class Event(NamedTuple):
-    t: float  # clock seconds
-    kind: str  # "start" | "dispatch" | "done" | "finish"
-    step: int
-    mb_id: int  # -1: step-level
-    op: int  # op index, -1 for start/finish
-    replica: int  # -1: all replicas / driver / n.a.
-    policy_version: int
-    compute_s: float = 0.0  # "done": seconds the stage spent in Role.handle
-
-
-@dataclass
-class Dispatch:
-    task_id: int
-    step: int
-    mb_id: int
-    op: PlannedOp
-    replicas: tuple[int, ...]  # () for a driver op
-    inputs: Batch
-    policy_version: int
-
-    def inputs_for(self, replica: int) -> Batch:
-        """What `replica` receives: its row share for a sharded op, else all inputs."""
-        if not self.op.sharded:
-            return self.inputs
-        return shard_rows(self.inputs, len(self.replicas), self.replicas.index(replica))
-
-
-@dataclass
-class _Task:
-    step: int
-    mb_id: int
-    op: PlannedOp
-    replicas: tuple[int, ...]
-    pending: set[int]
-    outputs: Batch | None = None
-    parts: dict[int, Batch] = field(default_factory=dict)  # sharded: rank -> its outputs
-    raw: dict[int, Batch] = field(default_factory=dict)  # replica -> undeclared sample values
-
-
-@dataclass
-class _Step:
-    step: int
-    n_mb: int
-    n_ops: int
-    t_start: float
-    data: Batch
-    mb_values: list[Batch] = field(default_factory=list)
-    step_values: Batch = field(default_factory=dict)
-    next_mb: list[int] = field(default_factory=list)  # dispatch pointer per op
-    done: list[int] = field(default_factory=list)  # finished mbs per op (step ops: 0/1)
-    mb_done: list[list[bool]] = field(default_factory=list)
-    metric_sum: dict[str, float] = field(default_factory=dict)
-    metric_n: dict[str, int] = field(default_factory=dict)
-    phase_t0: dict[str, float] = field(default_factory=dict)
-    phase_t1: dict[str, float] = field(default_factory=dict)
-    compute: dict[str, float] = field(default_factory=dict)
-    head_versions: list[int] = field(default_factory=list)
-    ops_left: int = 0
-    picks: list[tuple[int, int]] = field(default_factory=list)  # sample rows: (mb, row)
-    mb_extra: list[Batch] = field(default_factory=list)  # per mb: undeclared sample values
-    # step op -> padded trailing shape of a ragged input it received -> each micro-batch's
-    # own trailing shape (None: two inputs padded to that shape disagree per micro-batch)
-    ragged: dict[int, dict[tuple[int, ...], list[tuple[int, ...]] | None]] = field(
-        default_factory=dict
-    )
-
-    def __post_init__(self) -> None:
-        self.next_mb = [0] * self.n_ops
-        self.done = [0] * self.n_ops
-        self.mb_done = [[False] * self.n_mb for _ in range(self.n_ops)]
 
 
 class Scheduler:
@@ -168,19 +108,18 @@ class Scheduler:
         self.inflight = {s: [0] * n for s, n in plan.replicas.items()}
         self.step_inflight = {s: [0] * n for s, n in plan.replicas.items()}
         self.events: list[Event] = []
-        self.max_events = MAX_EVENTS
         self.collect: tuple[str, ...] = ()
         self.collected: dict[int, dict[str, list[torch.Tensor]]] = {}
         self.sample_rows = 0  # rows per step kept as samples (observe/samples.py)
         self._samples_out: list[tuple[int, list[SampleRow]]] = []
-        self._steps: dict[int, _Step] = {}
+        self._steps: dict[int, StepState] = {}
         self._data: dict[int, Batch] = {}
         self._requested = start_step  # steps [start, _requested) had their data requested
         self._started = start_step
         self._finished = start_step
         self._finished_out: list[tuple[int, dict[str, float]]] = []
         self._last_finish: float | None = None  # clock time the previous step finished
-        self._tasks: dict[int, _Task] = {}
+        self._tasks: dict[int, TaskState] = {}
         self._next_task = 0
         self._reserved: set[str] = set()
         self._op_size = [1 if op.is_step else self.n_mb for op in self.ops]
@@ -229,7 +168,7 @@ class Scheduler:
         # A step op that is ready but blocked by capacity reserves its stage: no new
         # micro-batch work goes there until it is out (else rollout of a later step could
         # keep a replica busy and starve the reshard).
-        self._reserved: set[str] = set()
+        self._reserved = set()
         for s in sorted(self._steps):
             st = self._steps[s]
             for op in self.ops:
@@ -260,7 +199,7 @@ class Scheduler:
         ):
             s = self._started
             data = self._data.pop(s)
-            st = _Step(s, self.n_mb, len(self.ops), self.clock(), data, ops_left=len(self.ops))
+            st = StepState(s, self.n_mb, len(self.ops), self.clock(), data, ops_left=len(self.ops))
             b = self.micro_batch
             st.mb_values = [
                 {k: v[m * b : (m + 1) * b] for k, v in data.items()} for m in range(self.n_mb)
@@ -272,7 +211,7 @@ class Scheduler:
             self._started += 1
             self._log(Event(st.t_start, "start", s, -1, -1, -1, self.policy_version))
 
-    def _common_ready(self, st: _Step, op: PlannedOp) -> bool:
+    def _common_ready(self, st: StepState, op: PlannedOp) -> bool:
         prev = self._steps.get(st.step - 1)
         j = op.index
         if prev is not None:
@@ -288,7 +227,7 @@ class Scheduler:
                     return False  # rule 5
         return True
 
-    def _mb_ready(self, st: _Step, op: PlannedOp, m: int) -> bool:
+    def _mb_ready(self, st: StepState, op: PlannedOp, m: int) -> bool:
         for p in op.deps:
             if self.ops[p].is_step:
                 if not st.done[p]:
@@ -297,7 +236,7 @@ class Scheduler:
                 return False
         return self._common_ready(st, op)
 
-    def _step_op_ready(self, st: _Step, op: PlannedOp) -> bool:
+    def _step_op_ready(self, st: StepState, op: PlannedOp) -> bool:
         for p in op.deps:  # every earlier op (the barrier)
             if st.done[p] < self._op_size[p]:
                 return False
@@ -322,18 +261,20 @@ class Scheduler:
                 best = r
         return None if best < 0 else (best,)
 
-    def _dispatch(self, st: _Step, op: PlannedOp, m: int) -> Dispatch | None:
+    def _dispatch(self, st: StepState, op: PlannedOp, m: int) -> Dispatch | None:
         replicas = self._pick(op)
         if replicas is None:
             return None
-        inputs = self._inputs(st, op, m)
+        inputs = st.inputs(self.plan, op, m)
         task_id = self._next_task
         self._next_task += 1
         for r in replicas:
             self.inflight[op.stage][r] += 1  # type: ignore[index]
             if op.is_step:
                 self.step_inflight[op.stage][r] += 1  # type: ignore[index]
-        self._tasks[task_id] = _Task(st.step, m, op, replicas, set(replicas) or {DRIVER_REPLICA})
+        self._tasks[task_id] = TaskState(
+            st.step, m, op, replicas, set(replicas) or {DRIVER_REPLICA}
+        )
         now = self.clock()
         st.phase_t0.setdefault(op.cfg.phase_name, now)
         if op.head:
@@ -342,72 +283,7 @@ class Scheduler:
         self._log(Event(now, "dispatch", st.step, m, op.index, rep, self.policy_version))
         return Dispatch(task_id, st.step, m, op, replicas, inputs, self.policy_version)
 
-    def _inputs(self, st: _Step, op: PlannedOp, m: int) -> Batch:
-        out: Batch = {}
-        for name in op.cfg.inputs:
-            p = self.plan.producer[name]
-            from_step = p != DATA and self.ops[p].is_step
-            if op.is_step:
-                if p == DATA:
-                    out[name] = st.data[name]
-                elif from_step:
-                    out[name] = st.step_values[name]
-                else:
-                    parts = [v[name] for v in st.mb_values]
-                    out[name] = concat_rows(parts)
-                    self._note_ragged(st, op.index, parts, tuple(out[name].shape[1:]))
-            elif from_step:
-                out[name] = self._slice_step_value(st, name, m)
-            else:
-                out[name] = st.mb_values[m][name]
-        return out
-
-    @staticmethod
-    def _note_ragged(st: _Step, j: int, parts: list[torch.Tensor], padded: tuple[int, ...]) -> None:
-        shapes = [tuple(p.shape[1:]) for p in parts]
-        if len(set(shapes)) < 2:
-            return  # not padded: nothing to undo
-        seen = st.ragged.setdefault(j, {})
-        if padded in seen and seen[padded] != shapes:
-            seen[padded] = None  # ambiguous: which width would a slice go back to?
-        else:
-            seen.setdefault(padded, shapes)
-
-    def _slice_step_value(self, st: _Step, name: str, m: int) -> torch.Tensor:
-        """Micro-batch m's rows of a step op's value. Where the step op's inputs were
-        padded to a common width (responses of different lengths per micro-batch,
-        concat_rows), an output of that padded trailing shape is cut back to m's own
-        width, so it lines up with m's masks: the inverse of the concatenation."""
-        v = st.step_values[name]
-        j = self.plan.producer[name]
-        if v.dim() == 0 or v.shape[0] % st.n_mb:
-            raise PipelineError(
-                f"value {name!r} from step op {self.ops[j].label} has shape {list(v.shape)}; a "
-                f"micro-batch op consumes it, so dim 0 must split evenly into {st.n_mb} "
-                "micro-batches"
-            )
-        rows = v.shape[0] // st.n_mb
-        part = v[m * rows : (m + 1) * rows]
-        padded = tuple(v.shape[1:])
-        seen = st.ragged.get(j, {})
-        if padded not in seen:
-            return part
-        shapes = seen[padded]
-        if shapes is None:
-            raise PipelineError(
-                f"value {name!r} from step op {self.ops[j].label} has the padded shape "
-                f"{list(padded)} of two of its inputs whose micro-batch widths differ; "
-                "cannot tell which width micro-batch ops expect"
-            )
-        for d, width in enumerate(shapes[m], start=1):
-            part = part.narrow(d, 0, width)
-        return part
-
     # -- completion ----------------------------------------------------------------------
-    def task_info(self, task_id: int) -> tuple[int, int, PlannedOp] | None:
-        t = self._tasks.get(task_id)
-        return None if t is None else (t.step, t.mb_id, t.op)
-
     def complete(
         self,
         task_id: int,
@@ -427,33 +303,11 @@ class Scheduler:
                 self.step_inflight[op.stage][replica] -= 1
         lowest = replica == min(t.replicas, default=DRIVER_REPLICA)
         if lowest or not op.sharded:  # a sharded role's metrics are global (docstring)
-            for k, v in metrics.items():
-                st.metric_sum[k] = st.metric_sum.get(k, 0.0) + v
-                st.metric_n[k] = st.metric_n.get(k, 0) + 1
+            st.add_metrics(metrics)
         phase = op.cfg.phase_name
         st.compute[phase] = st.compute.get(phase, 0.0) + compute_s
         if op.sharded or lowest:
-            missing = [n for n in op.cfg.outputs if n not in outputs]
-            if missing:
-                raise StageError(
-                    f"{op.label} (step {t.step}, micro-batch {t.mb_id}) returned "
-                    f"{sorted(outputs)}; the dataflow declares outputs {list(op.cfg.outputs)}, "
-                    f"missing {missing}",
-                    stage=op.stage or "driver",
-                    replica=replica,
-                    step=t.step,
-                    mb_id=t.mb_id,
-                )
-            if self.sample_rows and not op.is_step:
-                t.raw[replica] = {
-                    n: v
-                    for n, v in outputs.items()
-                    if n in SAMPLE_FIELDS and n not in op.cfg.outputs
-                }
-            if op.sharded:
-                t.parts[replica] = {n: outputs[n] for n in op.cfg.outputs}
-            else:  # a step op runs on every replica; the lowest speaks for all
-                t.outputs = {n: outputs[n] for n in op.cfg.outputs}
+            self._take_outputs(t, replica, outputs)
         now = self.clock()
         self._log(
             Event(now, "done", t.step, t.mb_id, op.index, replica, self.policy_version, compute_s)
@@ -461,14 +315,7 @@ class Scheduler:
         if t.pending:
             return
         del self._tasks[task_id]
-        if op.sharded:  # the ranks' row shares, back in rank order
-            first = t.parts[t.replicas[0]]
-            t.outputs = {  # a 0-d value (a step scalar) is global: the lowest rank's
-                n: first[n]
-                if first[n].dim() == 0
-                else concat_rows([t.parts[r][n] for r in t.replicas])
-                for n in op.cfg.outputs
-            }
+        t.outputs = t.joined()
         j = op.index
         if op.is_step:
             st.step_values.update(t.outputs)
@@ -476,7 +323,7 @@ class Scheduler:
         else:
             st.mb_values[t.mb_id].update(t.outputs)
             if st.picks:
-                self._keep_sample_values(st, t)
+                st.keep_sample_values(t, self.micro_batch)
             st.mb_done[j][t.mb_id] = True
             st.done[j] += 1
         st.phase_t1[phase] = now
@@ -485,25 +332,37 @@ class Scheduler:
             if st.ops_left == 0:
                 self._finish_in_order()
 
+    def _take_outputs(self, t: TaskState, replica: int, outputs: Batch) -> None:
+        """Keep what `replica` returned for task `t`: its declared outputs (all of them, or
+        a StageError), and the undeclared sample values of a micro-batch op."""
+        op = t.op
+        missing = [n for n in op.cfg.outputs if n not in outputs]
+        if missing:
+            raise StageError(
+                f"{op.label} (step {t.step}, micro-batch {t.mb_id}) returned "
+                f"{sorted(outputs)}; the dataflow declares outputs {list(op.cfg.outputs)}, "
+                f"missing {missing}",
+                stage=op.stage or "driver",
+                replica=replica,
+                step=t.step,
+                mb_id=t.mb_id,
+            )
+        if self.sample_rows and not op.is_step:
+            t.raw[replica] = {
+                n: v for n, v in outputs.items() if n in SAMPLE_FIELDS and n not in op.cfg.outputs
+            }
+        if op.sharded:
+            t.parts[replica] = {n: outputs[n] for n in op.cfg.outputs}
+        else:  # a step op runs on every replica; the lowest speaks for all
+            t.outputs = {n: outputs[n] for n in op.cfg.outputs}
+
     def _finish_in_order(self) -> None:
         while (st := self._steps.get(self._finished)) is not None and st.ops_left == 0:
             now = self.clock()
-            metrics = {  # counters summed, the rest averaged (observe/metrics.py)
-                k: reduce_step_metric(k, st.metric_sum[k], st.metric_n[k])
-                for k in sorted(st.metric_sum)
-            }
-            for phase, t0 in st.phase_t0.items():
-                metrics[f"timing/{phase}"] = st.phase_t1.get(phase, now) - t0
-                metrics[f"compute/{phase}"] = st.compute.get(phase, 0.0)
-            metrics["timing/step"] = now - st.t_start
-            last = self._last_finish if self._last_finish is not None else st.t_start
-            metrics["timing/period"] = now - last
+            metrics = st.metrics(now, self._last_finish, self.policy_version, self.step_batch)
             self._last_finish = now
-            versions = st.head_versions or [self.policy_version]
-            metrics["policy_version"] = float(min(versions))
-            derive_step_metrics(metrics, self.step_batch)  # reward/std, perf/*
             if self.collect:
-                self.collected[st.step] = self._collect(st)
+                self.collected[st.step] = st.collect(self.collect)
             if st.picks:
                 rows = take_rows(st.picks, st.mb_values, st.mb_extra, self.micro_batch)
                 self._samples_out.append((st.step, rows))
@@ -513,17 +372,8 @@ class Scheduler:
             self._log(Event(now, "finish", st.step, -1, -1, -1, self.policy_version))
             self._finished_out.append((st.step, metrics))
 
-    def _collect(self, st: _Step) -> dict[str, list[torch.Tensor]]:
-        out: dict[str, list[torch.Tensor]] = {}
-        for name in self.collect:
-            if name in st.step_values:
-                out[name] = [st.step_values[name]]
-            else:
-                out[name] = [v[name] for v in st.mb_values if name in v]
-        return out
-
     def _log(self, event: Event) -> None:
-        if len(self.events) < self.max_events:
+        if len(self.events) < MAX_EVENTS:
             self.events.append(event)
 
     def pop_finished(self) -> list[tuple[int, dict[str, float]]]:
@@ -534,63 +384,3 @@ class Scheduler:
         """The sample rows of the steps finished since the last call (module docstring)."""
         out, self._samples_out = self._samples_out, []
         return out
-
-    def _keep_sample_values(self, st: _Step, t: _Task) -> None:
-        """The picked rows of what micro-batch t.mb_id's op returned beyond its declared
-        outputs (a scorer's reward_info, a multi-turn rollout's num_turns)."""
-        rows = [r for m, r in st.picks if m == t.mb_id]
-        if not rows:
-            return
-        parts = [t.raw[r] for r in sorted(t.raw)]
-        if not parts or any(set(p) != set(parts[0]) for p in parts):
-            return  # ranks that disagree on what they returned: nothing to show
-        whole = (
-            parts[0]
-            if len(parts) == 1
-            else {n: concat_rows([p[n] for p in parts]) for n in parts[0]}
-        )
-        have = set(st.mb_values[t.mb_id]) | set(st.mb_extra[t.mb_id])
-        st.mb_extra[t.mb_id].update(sample_fields_extra(whole, have, rows, self.micro_batch))
-
-    def inflight_tasks(self) -> dict[int, Any]:
-        return dict(self._tasks)
-
-
-def shard_rows(batch: Batch, ranks: int, rank: int) -> Batch:
-    """Rank `rank`'s contiguous share of every field's rows (dim 0), of `ranks` equal
-    shares; 0-d values (step scalars) go to every rank whole."""
-    out: Batch = {}
-    for name, t in batch.items():
-        if t.dim() == 0:
-            out[name] = t
-            continue
-        if t.shape[0] % ranks:
-            raise PipelineError(
-                f"cannot shard {name!r} of {t.shape[0]} rows over {ranks} ranks evenly; "
-                "make run.micro_batch (and run.step_batch) a multiple of the ranks"
-            )
-        rows = t.shape[0] // ranks
-        out[name] = t[rank * rows : (rank + 1) * rows]
-    return out
-
-
-def concat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate micro-batch tensors along dim 0 in mb order. Trailing dims that differ
-    (e.g. responses padded per micro-batch) are right-padded with zeros to the largest, so
-    masks stay correct (padding is masked out)."""
-    if len(parts) == 1:
-        return parts[0]
-    shapes = {tuple(p.shape[1:]) for p in parts}
-    if len(shapes) == 1:
-        return torch.cat(parts, dim=0)
-    ndims = {p.dim() for p in parts}
-    if len(ndims) != 1:
-        raise PipelineError(f"cannot concatenate micro-batch tensors of ranks {sorted(ndims)}")
-    target = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
-    padded = []
-    for p in parts:
-        pad: list[int] = []
-        for d in reversed(range(1, p.dim())):
-            pad += [0, target[d - 1] - p.shape[d]]
-        padded.append(torch.nn.functional.pad(p, pad))
-    return torch.cat(padded, dim=0)
