@@ -26,7 +26,7 @@ import torch
 
 from hybridflow.bench.reshard import best_of
 from hybridflow.stages.actor import Actor
-from hybridflow.stages.base import StageContext
+from hybridflow.stages.base import StageContext, StageWorld
 from hybridflow.stages.rollout.hf import HFRollout
 
 
@@ -38,7 +38,7 @@ def _role(cls: type, options: dict[str, Any], name: str) -> Any:
         seed=0,
         run_dir=Path("/nonexistent"),
         options=options,
-        world={"role": name},
+        world=StageWorld(role=name),
     )
     role = cls()
     role.setup(ctx)

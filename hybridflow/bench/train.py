@@ -80,7 +80,7 @@ def _batches(args: argparse.Namespace, vocab: int) -> list[dict[str, torch.Tenso
 def _rank(rank: int, world: int, init: str, cfg: dict[str, Any], out: str) -> None:
     from hybridflow.pipeline.runtime.scheduler import shard_rows
     from hybridflow.stages.actor import Actor
-    from hybridflow.stages.base import StageContext
+    from hybridflow.stages.base import StageContext, StageWorld
     from hybridflow.stages.parallel.fsdp import local_numel
     from hybridflow.stages.parallel.group import Group, exit_rank
 
@@ -104,7 +104,7 @@ def _rank(rank: int, world: int, init: str, cfg: dict[str, Any], out: str) -> No
         options["fsdp_param_dtype"] = cfg["param_dtype"]
     if args.vocab_size:
         options["model_overrides"] = {"vocab_size": args.vocab_size}
-    world_info = {"role": "actor", "rank": rank, "world_size": world, "init_method": init}
+    world_info = StageWorld(role="actor", rank=rank, world_size=world, init_method=init)
     ctx = StageContext(
         "bench", rank, device, args.seed, Path(out), options=options, world=world_info
     )

@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -34,6 +35,30 @@ Metrics = dict[str, float]
 Params = dict[str, Any]
 
 
+@dataclass(frozen=True)
+class OpIO:
+    """One op of a role as the run's dataflow declares it: the values it reads and writes,
+    and its scope ("micro_batch" or "step")."""
+
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    scope: str = "micro_batch"
+
+
+@dataclass(frozen=True)
+class StageWorld:
+    """Where a role sits in its run (`StageContext.world`), filled in by the stage host."""
+
+    role: str = ""  # the role's name in the topology
+    kind: str = ""  # its kind (the name, unless `kind:` says otherwise)
+    rank: int = 0  # = the stage's replica
+    world_size: int = 1  # = the stage's replicas
+    init_method: str = ""  # tcp:// rendezvous of the stage's replicas; "" with one replica
+    init_listen_fd: int = -1  # replica 0: the rendezvous's listening socket, inherited
+    run_id: str = ""
+    dataflow: Mapping[str, OpIO] = field(default_factory=dict)  # this role's ops: op -> OpIO
+
+
 @dataclass
 class StageContext:
     """What a role gets at setup: where it runs and who its colocated neighbours are."""
@@ -45,7 +70,7 @@ class StageContext:
     run_dir: Path
     options: dict[str, Any] = field(default_factory=dict)  # this role's `options:` block
     colocated: dict[str, Role] = field(default_factory=dict)  # role name -> Role, same process
-    world: dict[str, Any] = field(default_factory=dict)  # replicas/ranks info for sharded roles
+    world: StageWorld = field(default_factory=StageWorld)  # role, ranks, its dataflow ops
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("hybridflow.stage"))
 
 

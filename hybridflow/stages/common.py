@@ -44,7 +44,7 @@ _CHUNK = 1024  # positions per float32 chunk in no-grad log-prob / entropy
 
 def options_path(ctx: StageContext) -> str:
     """Dotted config key of this role's `options:` block, for error messages."""
-    role = ctx.world.get("role")
+    role = ctx.world.role
     return f"stages.{ctx.stage}.roles.{role}.options" if role else f"stages.{ctx.stage}.options"
 
 

@@ -43,7 +43,7 @@ import torch
 
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import ConfigError
-from hybridflow.stages.base import Batch, Metrics, Params, StageContext
+from hybridflow.stages.base import Batch, Metrics, OpIO, Params, StageContext
 from hybridflow.stages.contract import OpSpec, RoleBase
 
 
@@ -99,8 +99,8 @@ class SyntheticRole(RoleBase):
 
     def setup(self, ctx: StageContext) -> None:
         opts = from_dict(SyntheticOptions, dict(ctx.options), "synthetic.options")
-        self.name = str(ctx.world.get("role", "synthetic"))
-        self.dataflow: dict[str, dict[str, Any]] = dict(ctx.world.get("dataflow", {}))
+        self.name = ctx.world.role or "synthetic"
+        self.dataflow: dict[str, OpIO] = dict(ctx.world.dataflow)
         self.work = opts.work
         self.default_cost = (opts.ms_per_sample, opts.ms_per_task)
         self.op_costs = {op: (c.ms_per_sample, c.ms_per_task) for op, c in opts.ops.items()}
@@ -113,16 +113,16 @@ class SyntheticRole(RoleBase):
             raise RuntimeError("synthetic failure injected at setup")
 
     def run(self, op: str, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        spec = self.dataflow.get(op, {"inputs": list(batch), "outputs": [], "scope": "micro_batch"})
-        tag = self._tag(spec["inputs"], batch, params)
+        spec = self.dataflow.get(op, OpIO(inputs=tuple(batch)))
+        tag = self._tag(spec.inputs, batch, params)
         if op in self.expect_ordered:
             self._check_order(op, tag, params)
         self._inject(op, params)
         per_sample, per_task = self.op_costs.get(op, self.default_cost)
-        rows = len(tag) if spec["scope"] == "micro_batch" else 0
+        rows = len(tag) if spec.scope == "micro_batch" else 0
         cost_ms = per_task + per_sample * rows
         self._spend(cost_ms / 1000.0)
-        outputs = {name: self._output(name, tag) for name in spec["outputs"]}
+        outputs = {name: self._output(name, tag) for name in spec.outputs}
         return outputs, {f"{self.name}/rows": float(len(tag)), f"{self.name}/cost_ms": cost_ms}
 
     # ------------------------------------------------------------------------------

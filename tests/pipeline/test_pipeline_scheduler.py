@@ -21,7 +21,7 @@ from hybridflow.pipeline.observe.metrics import is_counter, reduce_step_metric
 from hybridflow.pipeline.plan.planner import Plan, build_plan
 from hybridflow.pipeline.runtime.scheduler import DRIVER_REPLICA, Scheduler, concat_rows
 from hybridflow.pipeline.sources.registry import create_source
-from hybridflow.stages.base import StageContext
+from hybridflow.stages.base import StageContext, StageWorld
 from hybridflow.stages.synthetic import SyntheticRole
 
 SYN = {"backend": "synthetic", "options": {"expect_ordered": ["update"]}}
@@ -106,7 +106,7 @@ class Cluster:
                         seed=0,
                         run_dir=Path("."),
                         options=dict(rc.options),
-                        world={"role": name, "dataflow": plan.role_ops(name)},
+                        world=StageWorld(role=name, dataflow=plan.role_ops(name)),
                     )
                 )
                 self.roles[name] = role

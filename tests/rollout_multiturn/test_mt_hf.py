@@ -13,6 +13,7 @@ from mt_helpers import CountdownEnv, chat_tokenizer, countdown_records, prompt_b
 
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.actor import Actor
+from hybridflow.stages.base import OpIO, StageWorld
 from hybridflow.stages.common import response_span
 from hybridflow.stages.critic import Critic
 from hybridflow.stages.env.builtin.guess_number import make_records
@@ -192,7 +193,7 @@ def test_actor_update_trains_on_model_tokens_only(tokdir):
 
 
 def test_multi_turn_needs_the_records_and_single_turn_refuses_env_outputs(tokdir):
-    world = {"dataflow": {"generate": {"inputs": ["prompt_ids", "prompt_mask"], "outputs": []}}}
+    world = StageWorld(dataflow={"generate": OpIO(inputs=("prompt_ids", "prompt_mask"))})
     with pytest.raises(ConfigError, match=r"options.env: .*add metadata_json"):
         make_role(
             HFRollout,
@@ -200,7 +201,7 @@ def test_multi_turn_needs_the_records_and_single_turn_refuses_env_outputs(tokdir
             {"model": "tiny", "tokenizer": tokdir, "env": "guess_number"},
             world=world,
         )
-    world["dataflow"]["generate"]["outputs"] = ["response_ids", "env_reward"]
+    world = StageWorld(dataflow={"generate": OpIO(outputs=("response_ids", "env_reward"))})
     with pytest.raises(ConfigError, match=r"asks generate for \['env_reward'\]"):
         make_role(HFRollout, "r", {"model": "tiny", "tokenizer": tokdir}, world=world)
     role = guess_rollout(tokdir)

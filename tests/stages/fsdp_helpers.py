@@ -21,6 +21,7 @@ from stage_helpers import make_role
 
 from hybridflow.pipeline.runtime.scheduler import shard_rows
 from hybridflow.stages.actor import Actor
+from hybridflow.stages.base import StageWorld
 from hybridflow.stages.critic import Critic
 from hybridflow.stages.reference import Reference
 
@@ -67,7 +68,7 @@ def _run_job(rank: int, world: int, init_method: str, job: Job, cuda: bool) -> N
         job.options,
         device=torch.device("cuda", rank) if cuda else torch.device("cpu"),
         replica=rank,
-        world={"role": job.kind, "rank": rank, "world_size": world, "init_method": init_method},
+        world=StageWorld(role=job.kind, rank=rank, world_size=world, init_method=init_method),
     )
     if job.load_from:
         state = json.loads((job.load_from / "state.json").read_text())

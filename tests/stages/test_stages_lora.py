@@ -128,7 +128,7 @@ def test_lora_on_a_role_that_does_not_train_is_a_config_error():
 def _colocated(actor_opts, ref_opts=None):
     """An actor and a reference in one process, as the stage host sets them up."""
     roles = {"actor": Actor(), "reference": Reference()}
-    from hybridflow.stages.base import StageContext
+    from hybridflow.stages.base import StageContext, StageWorld
 
     for name, opts in (("reference", ref_opts or {"model": "tiny"}), ("actor", actor_opts)):
         ctx = StageContext(
@@ -139,7 +139,7 @@ def _colocated(actor_opts, ref_opts=None):
             run_dir=Path("/nonexistent"),
             options=opts,
             colocated=roles,
-            world={"role": name},
+            world=StageWorld(role=name),
         )
         roles[name].setup(ctx)  # the reference first: it must wait for the actor
     for role in roles.values():

@@ -19,13 +19,14 @@ for the process. A task, control call or setup that raises anything (any BaseExc
 torch's CheckpointException, a GeneratorExit, a library's sys.exit), except this process's
 own teardown (`_interrupted`), becomes a `Failure` message naming the stage, the op or
 call and the cause, with the traceback text; the process keeps serving until the
-coordinator says Shutdown. A loop of the process that dies ends it (exit 1) at once.
+coordinator says Shutdown. A loop of the process (receive, work, heartbeat, parent watch)
+that dies is a Failure naming the stage and the loop, then a stop (exit 1), at once.
 
-What a role gets in `StageContext.world`: `role` (its name), `kind`, `rank` (= replica)
-and `world_size` (= replicas of this stage), `init_listen_fd` (replica 0: the rendezvous's
-listening socket, bound by the session and inherited), `init_method` (a tcp:// rendezvous for the
-stage's replicas, "" when there is one), `run_id`, and `dataflow`: op -> {inputs,
-outputs, scope} for every op of this role. `ctx.seed` is the run seed, the same in every
+What a role gets in `StageContext.world` (a typed `StageWorld`, stages/base.py): its role
+name and kind, `rank` (= replica) and `world_size` (= replicas of this stage), the
+rendezvous of the stage's replicas (`init_method`, "" when there is one; replica 0 also
+inherits its listening socket, `init_listen_fd`), `run_id`, and `dataflow`: op -> `OpIO`
+(inputs, outputs, scope) for every op of this role. `ctx.seed` is the run seed, the same in every
 stage (actor and reference build identical initial weights from it); derive per-purpose
 streams from it. `ctx.colocated` holds every role of this process (the hybrid engine's
 in-process hand-off); they are all constructed before any `setup`, in config order, and
@@ -67,12 +68,12 @@ import torch
 from hybridflow.config.loader import config_hash, from_dict
 from hybridflow.config.schema import RoleConfig, Topology
 from hybridflow.errors import ConfigError, HybridflowError
-from hybridflow.pipeline.checkpoint import store as checkpoint
+from hybridflow.pipeline.checkpoint import stage as checkpoint
 from hybridflow.pipeline.host.dispatch import Dispatcher, Mode
 from hybridflow.pipeline.host.weight_sync import StageWeightSync
 from hybridflow.pipeline.plan.planner import role_ops
 from hybridflow.stages import StageContext, create_role
-from hybridflow.stages.base import Role
+from hybridflow.stages.base import Role, StageWorld
 from hybridflow.stages.contract import OpSpec, Scope
 from hybridflow.transport import aio, auth
 from hybridflow.transport.channel import Channel, Received
@@ -96,6 +97,7 @@ log = logging.getLogger("hybridflow.stage")
 
 _current_step = "-"  # step of the task in the worker thread (shown in log lines)
 CONTROL = "control"  # the `role` of a Failure of a Control call: "control.checkpoint_save"
+LOOP = "loop"  # the `role` of a Failure of a dead loop of the process: "loop.work"
 
 
 def _add_step(record: logging.LogRecord) -> bool:
@@ -192,9 +194,9 @@ class StageProcess:
                 state=self._state_name,
                 progress=self._progress,
             )
-            tasks.append(self.heartbeat.start())
-            tasks.append(self._loop_task(self._watch_parent(), "stage.parent"))
-            tasks.append(self._loop_task(self._recv_loop(), "stage.recv"))
+            tasks.append(self._supervise(self.heartbeat.start(), "heartbeat"))
+            tasks.append(self._supervise(self._watch_parent(), "parent watch"))
+            tasks.append(self._supervise(self._recv_loop(), "receive"))
             # Setup may take minutes (model loading): a Shutdown meanwhile must not wait.
             setup = asyncio.create_task(self._setup_roles(), name="stage.setup")
             stop = asyncio.create_task(self._stop.wait(), name="stage.stop")
@@ -203,7 +205,7 @@ class StageProcess:
             if setup.done() and setup.result():
                 self.state = StageState.READY
                 self.heartbeat.beat()  # tell the coordinator at once, not one interval later
-                tasks.append(self._loop_task(self._work_loop(), "stage.work"))
+                tasks.append(self._supervise(self._work_loop(), "work"))
             elif setup.done():
                 self.state = StageState.FAILED
             await self._stop.wait()
@@ -220,21 +222,36 @@ class StageProcess:
                 await self.weight_sync.close()
             self.chan.close()
 
-    def _loop_task(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        """A loop that lives as long as the process: if it dies of an error (a bug in
-        the runtime, not a role's: those are Failures), the process cannot serve any more.
-        It exits at once (code 1), which the coordinator reports naming this stage, rather
-        than heartbeating on with nobody taking tasks."""
-        task = asyncio.create_task(coro, name=name)
-        task.add_done_callback(self._loop_done)
+    def _supervise(self, loop: Any, name: str) -> asyncio.Task[Any]:
+        """Run one of the process's loops (`loop`: a coroutine or a started task) under
+        supervision. A loop lives as long as the process; one that ends while the process
+        is not stopping (an error: a bug in the runtime, not a role's, those are Failures;
+        or a return) leaves nobody to do its job, so the process reports a Failure naming
+        the stage and the loop (`role` LOOP, `op` the loop's name) and stops, exit 1. The
+        coordinator ends the run with that error at once, rather than the process
+        heartbeating on while its tasks sit queued."""
+        task = loop if isinstance(loop, asyncio.Task) else asyncio.create_task(loop)
+        task.set_name(f"stage.{name}")
+        task.add_done_callback(lambda t: self._loop_done(t, name))
         return task
 
-    def _loop_done(self, task: asyncio.Task[Any]) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        log.error("%s died; stopping", task.get_name(), exc_info=task.exception())
+    def _loop_done(self, task: asyncio.Task[Any], name: str) -> None:
+        if task.cancelled() or self._stop.is_set():
+            return  # teardown, or a loop that ended because the process is stopping
+        exc = task.exception() or RuntimeError(f"the {name} loop returned")
+        log.error("the %s loop died; stopping", name, exc_info=exc)
         self._crashed = True
-        self._stop.set()
+        failure = self._failure(-1, -1, -1, LOOP, name, exc)
+
+        async def report_and_stop() -> None:
+            try:  # bounded: _send's timeout; if even this fails, exit 1 says enough
+                await self._send_failure(failure)
+            finally:
+                self._stop.set()
+
+        report = asyncio.get_running_loop().create_task(report_and_stop(), name="stage.dead")
+        self._reports.add(report)
+        report.add_done_callback(self._reports.discard)
 
     async def _handshake(self) -> int:
         hello = Hello(
@@ -332,17 +349,16 @@ class StageProcess:
             run_dir=self.run_dir,
             options=dict(rc.options),
             colocated=self.roles,
-            world={
-                "role": name,
-                "kind": rc.kind or name,
-                "rank": self.replica,
-                "world_size": self.cfg.replicas,
-                "replicas": self.cfg.replicas,
-                "init_method": self.init_method,  # "" unless replicas > 1
-                "init_listen_fd": self.init_listen_fd,  # its listening socket (rank 0)
-                "run_id": self.run_id,
-                "dataflow": role_ops(self.topo, name),
-            },
+            world=StageWorld(
+                role=name,
+                kind=rc.kind or name,
+                rank=self.replica,
+                world_size=self.cfg.replicas,
+                init_method=self.init_method,  # "" unless replicas > 1
+                init_listen_fd=self.init_listen_fd,  # its listening socket (rank 0)
+                run_id=self.run_id,
+                dataflow=role_ops(self.topo, name),
+            ),
             log=logging.getLogger(f"hybridflow.stage.{name}"),
         )
 

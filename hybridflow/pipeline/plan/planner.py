@@ -27,6 +27,7 @@ from hybridflow.config.imports import load_attr, stage_import_path
 from hybridflow.config.loader import config_hash, from_dict
 from hybridflow.config.schema import DRIVER_ROLE, OpConfig, Topology
 from hybridflow.errors import ConfigError
+from hybridflow.stages.base import OpIO
 
 DATA = -1  # producer index of data-source fields
 
@@ -79,7 +80,7 @@ class Plan:
     def replicas(self) -> dict[str, int]:
         return {name: cfg.replicas for name, cfg in self.topology.stages.items()}
 
-    def role_ops(self, role: str) -> dict[str, dict[str, Any]]:
+    def role_ops(self, role: str) -> dict[str, OpIO]:
         return role_ops(self.topology, role)
 
     def nodes(self) -> dict[str, str]:
@@ -109,10 +110,10 @@ class Plan:
         return out
 
 
-def role_ops(topo: Topology, role: str) -> dict[str, dict[str, Any]]:
+def role_ops(topo: Topology, role: str) -> dict[str, OpIO]:
     """What a role will be asked to do: op -> inputs/outputs/scope (StageContext.world)."""
     return {
-        op.op: {"inputs": list(op.inputs), "outputs": list(op.outputs), "scope": op.scope}
+        op.op: OpIO(inputs=tuple(op.inputs), outputs=tuple(op.outputs), scope=op.scope)
         for op in topo.dataflow
         if op.role == role
     }

@@ -1,7 +1,7 @@
 """The process group of a sharded role's ranks, and the collectives its trainer needs.
 
 The launcher hands every replica of a replicated stage one rendezvous address
-(`StageContext.world["init_method"]`, tcp://host:port) and its rank (= replica); world
+(`StageContext.world.init_method`, tcp://host:port) and its rank (= replica); world
 size 1 (`fsdp: true` on one device) uses an in-process store, so the same code path runs
 without a rendezvous. One default group per process: roles of one stage share it (they
 run in one worker thread, so their collectives never interleave).
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.errors import ConfigError
+from hybridflow.stages.base import StageWorld
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -80,12 +81,10 @@ class Group:
         return sorted(out)
 
 
-def join(
-    world: dict[str, Any], device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> Group:
-    """Join (or reuse) this process's default group as rank `world["rank"]` of
-    `world["world_size"]`; raises ConfigError when a replicated stage has no rendezvous."""
-    rank, size = int(world.get("rank", 0)), int(world.get("world_size", 1))
+def join(world: StageWorld, device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
+    """Join (or reuse) this process's default group as rank `world.rank` of
+    `world.world_size`; raises ConfigError when a replicated stage has no rendezvous."""
+    rank, size = world.rank, world.world_size
     group = Group(rank, size, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -103,7 +102,7 @@ def join(
             group.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
         return group
-    init_method = str(world.get("init_method", ""))
+    init_method = world.init_method
     if init_method.startswith("file://"):  # a shared file instead of a port (tests, benches)
         dist.init_process_group(
             group.backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout
@@ -115,7 +114,7 @@ def join(
         )
     addr = urlsplit(init_method)
     assert addr.hostname is not None and addr.port is not None
-    fd = int(world.get("init_listen_fd", -1))
+    fd = world.init_listen_fd
     # Rank 0 serves the store on the socket the session bound and kept listening (no
     # window in which another process could take the port); the others connect to it.
     store = dist.TCPStore(

@@ -60,7 +60,7 @@ class ShardedModelRole:
             total = sum(p.numel() for p in self.model.parameters())
             ctx.log.info(
                 "%s: LoRA rank %d on %s: %d of %d parameters train",
-                ctx.world.get("role"),
+                ctx.world.role,
                 opts.lora_rank,
                 ",".join(self.adapters.targets),
                 trained,
@@ -68,14 +68,14 @@ class ShardedModelRole:
             )
 
     def shard_if_asked(self, ctx: StageContext, opts: ShardingOptions, *, trainable: bool) -> None:
-        replicas = int(ctx.world.get("world_size", 1))
+        replicas = ctx.world.world_size
         if not sharded(opts.fsdp, trainable=trainable, replicas=replicas):
             return
         self.group = join(ctx.world, ctx.device)
         shard_model(self.model, self.group, opts)
         ctx.log.info(
             "%s: FSDP rank %d of %d on %s",
-            ctx.world.get("role"),
+            ctx.world.role,
             self.group.rank,
             self.group.world_size,
             ctx.device,

@@ -436,9 +436,9 @@ def trajectory_loop(
     feeds it each row's record and asks only for outputs a rollout of this kind makes.
     `position_limit`: the most positions a trajectory may reach in this engine."""
     path = options_path(ctx)
-    generate = (ctx.world.get("dataflow") or {}).get("generate") or {}
+    generate = ctx.world.dataflow.get("generate")
     if not opts.env:
-        wanted = [o for o in MULTI_TURN_OUTPUTS if o in generate.get("outputs", ())]
+        wanted = [o for o in MULTI_TURN_OUTPUTS if generate and o in generate.outputs]
         if wanted:
             raise ConfigError(
                 f"{path}.env",
@@ -446,7 +446,7 @@ def trajectory_loop(
                 "rollout makes: set env (an environment) or drop them",
             )
         return None
-    if generate and "metadata_json" not in generate.get("inputs", ()):
+    if generate and "metadata_json" not in generate.inputs:
         raise ConfigError(
             f"{path}.env",
             "a multi-turn rollout resets each environment with its row's record: add "
