@@ -25,7 +25,7 @@ is neither kept nor dropped (it is not a sequence).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
@@ -39,7 +39,8 @@ from hybridflow.algos.utils import (
 )
 from hybridflow.errors import AlgorithmInputError
 
-CORRECTION_MODES = ("tis", "mis")
+CorrectionMode = Literal["tis", "mis"]  # THE list (the actor's `rollout_correction`)
+CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
 # exp() bound for a (sequence) log-ratio: beyond it the weight is capped or masked anyway.
 _MAX_LOG_RATIO = 20.0
 

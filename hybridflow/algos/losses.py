@@ -16,6 +16,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
 from hybridflow.algos.utils import (
@@ -28,9 +30,17 @@ from hybridflow.algos.utils import (
 )
 from hybridflow.errors import AlgorithmInputError
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# How a per-token loss [B, T] reduces to one number (`aggregate`): THE list of modes.
+# TrainerAggMode: the modes every trainer takes (the critic's `loss_agg_mode` too);
+# LossAggMode adds Dr. GRPO's seq-mean-token-sum-norm, which divides by a fixed length
+# (the actor's `loss_norm_len`). Option dataclasses annotate with these aliases; the
+# tuples are the same lists for checks and messages.
+TrainerAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LossAggMode = Literal[TrainerAggMode, "seq-mean-token-sum-norm"]
+AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 # The policy-gradient objectives `policy_loss` dispatches to (the actor's `policy_loss`).
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
+PolicyLossName = Literal["ppo", "gspo", "cispo"]
+POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLossName)
 
 # exp() of a log-ratio beyond this is meaningless for PPO and would overflow in fp16/bf16.
 _MAX_LOG_RATIO = 20.0

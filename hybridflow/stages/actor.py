@@ -61,13 +61,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from hybridflow.algos.correction import rollout_correction
+from hybridflow.algos.correction import CorrectionMode, rollout_correction
 from hybridflow.algos.kl import KL_ALIASES, KL_KINDS, kl_estimate, kl_loss
-from hybridflow.algos.losses import aggregate, entropy_bonus, policy_loss
+from hybridflow.algos.losses import (
+    LossAggMode,
+    PolicyLossName,
+    aggregate,
+    entropy_bonus,
+    policy_loss,
+)
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.head_logprobs import LogprobOptions
@@ -100,13 +106,11 @@ class ActorOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions, Log
     kl_loss_coef: float = 0.0  # > 0: KL to the reference as a loss term (GRPO)
     kl_loss_type: str = "k3"  # k1 | k2 | k3 | abs | k1+ | k3+ (or kl | mse | low_var_kl)
     old_logprob_key: str = "old_logprobs"  # e.g. rollout_logprobs to use the sampler's
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"  # the objective (hybridflow.algos)
+    policy_loss: PolicyLossName = "ppo"  # the objective (hybridflow.algos)
     # TrainOptions' modes plus seq-mean-token-sum-norm (Dr. GRPO: / loss_norm_len)
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     loss_norm_len: int = 0  # seq-mean-token-sum-norm's constant (e.g. max_new_tokens)
-    rollout_correction: Literal["tis", "mis"] | None = None  # weights pi_old / mu
+    rollout_correction: CorrectionMode | None = None  # weights pi_old / mu
     rollout_logprob_key: str = "rollout_logprobs"  # the sampler's log-probs (mu)
     rollout_is_cap: float = 2.0  # TIS: token weights truncated at this C
     rollout_mis_low: float = 0.5  # MIS: keep sequences whose ratio is in [low, high]

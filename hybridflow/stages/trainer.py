@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 import torch
 
+from hybridflow.algos.losses import TrainerAggMode
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.base import Batch, Metrics
 from hybridflow.stages.common import row_chunks, slice_rows, to_cpu
@@ -72,7 +73,7 @@ class TrainOptions:
     mini_batches: int = 1  # optimizer updates per epoch
     # How per-token losses reduce to one: token-mean (over every valid token),
     # seq-mean-token-sum / seq-mean-token-mean (per sequence, then over sequences)
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg_mode: TrainerAggMode = "token-mean"
     forward_batch_size: int = 0  # rows per forward/backward (0: the whole micro-batch)
 
     def validate(self, path: str) -> None:

@@ -7,7 +7,9 @@ A field's doc is, first found wins:
   3. a line `name: value  # doc` (with `#` continuation lines) in the docstring of the
      module that declares the class, for modules that document options as a YAML example.
 Type and default come from `dataclasses.fields` (types as written: every config module
-uses `from __future__ import annotations`).
+uses `from __future__ import annotations`), with a name of a `Literal` alias (the one
+table of a set of values, e.g. `LossAggMode` in hybridflow.algos.losses) written out as
+its values, so the reference shows what a key takes.
 
 Invariant: `field_docs(cls)` lists every field of `cls` in `dataclasses.fields` order,
 each with the class that declares it, so a field without a doc is visible (doc == "").
@@ -20,10 +22,12 @@ import dataclasses
 import functools
 import inspect
 import io
+import json
 import re
 import sys
 import textwrap
 import tokenize
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +127,24 @@ def declaring_class(cls: type, name: str) -> type:
     return cls
 
 
+_NAME = re.compile(r"\b[A-Za-z_]\w*\b")
+
+
+def _written_type(owner: type, annotation: Any) -> str:
+    """The annotation as written, with every Literal alias it names expanded."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    text = text or str(annotation)
+    scope = vars(sys.modules[owner.__module__])
+
+    def expand(match: re.Match[str]) -> str:
+        value = scope.get(match.group(0))
+        if typing.get_origin(value) is not typing.Literal:
+            return match.group(0)
+        return "Literal[" + ", ".join(json.dumps(v) for v in typing.get_args(value)) + "]"
+
+    return _NAME.sub(expand, text)
+
+
 def field_docs(cls: type) -> list[FieldDoc]:
     """Every field of dataclass `cls`, with its type, default, doc and declaring class."""
     out = []
@@ -131,9 +153,7 @@ def field_docs(cls: type) -> list[FieldDoc]:
         out.append(
             FieldDoc(
                 name=f.name,
-                type=f.type
-                if isinstance(f.type, str)
-                else getattr(f.type, "__name__", str(f.type)),
+                type=_written_type(owner, f.type),
                 default=_default(f),
                 doc=_doc(owner, f.name),
                 owner=owner,

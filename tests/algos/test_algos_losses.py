@@ -226,3 +226,21 @@ def test_logprobs_bad_tokens_are_clear_errors():
         logprobs_from_logits(logits, torch.tensor([[0, -100]]))  # -100 without a mask
     with pytest.raises(AlgorithmInputError, match="tokens"):
         logprobs_from_logits(logits, torch.tensor([[0, 1, 2]]))
+
+
+def test_option_dataclasses_take_their_value_lists_from_the_algos():
+    """AGG_MODES, POLICY_LOSSES and CORRECTION_MODES are the lists the actor's and the
+    trainer's options accept (one table each: the Literal aliases in hybridflow.algos)."""
+    import typing
+
+    from hybridflow.algos import AGG_MODES, CORRECTION_MODES, POLICY_LOSSES
+    from hybridflow.stages.actor import ActorOptions
+    from hybridflow.stages.trainer import TrainOptions
+
+    actor = typing.get_type_hints(ActorOptions)
+    assert typing.get_args(actor["loss_agg_mode"]) == AGG_MODES
+    assert typing.get_args(actor["policy_loss"]) == POLICY_LOSSES
+    modes = typing.get_args(actor["rollout_correction"])
+    assert typing.get_args(modes[0]) == CORRECTION_MODES and modes[1] is type(None)
+    trainer = typing.get_args(typing.get_type_hints(TrainOptions)["loss_agg_mode"])
+    assert trainer == AGG_MODES[:3]  # the critic cannot take the fixed-length mode
