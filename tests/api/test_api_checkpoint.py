@@ -10,8 +10,13 @@ import random
 import pytest
 import torch
 
+from hybridflow.config.schema import CheckpointConfig
 from hybridflow.errors import ConfigError, PipelineError
-from hybridflow.pipeline.checkpoint import store as ck
+from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer, load_drivers, save_drivers
+from hybridflow.pipeline.checkpoint.layout import FORMAT
+from hybridflow.pipeline.checkpoint.resume import read_meta, resolve
+from hybridflow.pipeline.checkpoint.stage import derive_seed, rng_state, seed_process, set_rng_state
+from hybridflow.pipeline.checkpoint.tree import read_state, write_state
 
 
 def test_state_trees_round_trip_through_safetensors_and_json(tmp_path):
@@ -27,8 +32,8 @@ def test_state_trees_round_trip_through_safetensors_and_json(tmp_path):
         "none": None,
         "__weird": "dunder keys are tagged, not taken for tags",
     }
-    ck.write_state(state, tmp_path, "actor")
-    back = ck.read_state(tmp_path, "actor")
+    write_state(state, tmp_path, "actor")
+    back = read_state(tmp_path, "actor")
     assert back.keys() == state.keys()
     assert torch.equal(back["model"]["w"], state["model"]["w"])
     assert back["model"]["b"].dtype == torch.bfloat16
@@ -45,45 +50,45 @@ def test_state_trees_round_trip_through_safetensors_and_json(tmp_path):
 def test_unknown_json_tags_and_objects_are_refused(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"a": {"__pickle__": "..."}}))
     with pytest.raises(PipelineError, match="unknown tag '__pickle__'"):
-        ck.read_state(tmp_path, "x")
+        read_state(tmp_path, "x")
     with pytest.raises(TypeError, match="cannot checkpoint a object at a"):
-        ck.write_state({"a": object()}, tmp_path, "y")
+        write_state({"a": object()}, tmp_path, "y")
 
 
 def test_rng_states_restore_every_generator():
-    ck.seed_process(123)
-    state = ck.rng_state()
+    seed_process(123)
+    state = rng_state()
     a = (torch.rand(3), random.random())
-    ck.set_rng_state(state)
+    set_rng_state(state)
     b = (torch.rand(3), random.random())
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
-    assert ck.derive_seed(0, "engine", 0) != ck.derive_seed(0, "engine", 1)
-    assert ck.derive_seed(0, "engine", 0) == ck.derive_seed(0, "engine", 0)
+    assert derive_seed(0, "engine", 0) != derive_seed(0, "engine", 1)
+    assert derive_seed(0, "engine", 0) == derive_seed(0, "engine", 0)
 
 
 def test_schedule_commit_prune_latest(tmp_path):
-    cfg = ck.CheckpointConfig(str(tmp_path), save_interval=2, keep_last=2)
-    c = ck.Checkpointer(cfg, last_step=6)
+    cfg = CheckpointConfig(str(tmp_path), save_interval=2, keep_last=2)
+    c = Checkpointer(cfg, last_step=6)
     assert [s for s in range(7) if c.due(s)] == [1, 3, 5, 6]  # every 2 steps and the end
     assert c.next_due(2) == 3 and c.next_due(6) == 6
     for step in (1, 3, 5):
         tmp = c.begin(step)
         (tmp / "part").write_text("x")
-        c.commit(tmp, {"format": ck.FORMAT, "step": step + 1})
+        c.commit(tmp, {"format": FORMAT, "step": step + 1})
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["latest", "step-00000004", "step-00000006"]
-    assert ck.resolve("latest", tmp_path).name == "step-00000006"
-    assert ck.resolve(tmp_path).name == "step-00000006"  # a save dir means its latest
+    assert resolve("latest", tmp_path).name == "step-00000006"
+    assert resolve(tmp_path).name == "step-00000006"  # a save dir means its latest
     stale = c.begin(6)  # a crash mid-save leaves a .tmp- dir: never resumed from...
-    assert ck.resolve("latest", tmp_path).name == "step-00000006"
+    assert resolve("latest", tmp_path).name == "step-00000006"
     c.begin(6)  # ...and swept by the next save
     assert not stale.exists()
     with pytest.raises(ConfigError, match="save_interval"):
-        ck.CheckpointConfig(str(tmp_path), save_interval=-1).validate()
+        CheckpointConfig(str(tmp_path), save_interval=-1).validate()
     with pytest.raises(ConfigError, match="not a hybridflow checkpoint"):
         (tmp_path / "bogus").mkdir()
         (tmp_path / "bogus" / "meta.json").write_text('{"format": 99}')
-        ck.read_meta(tmp_path / "bogus")
+        read_meta(tmp_path / "bogus")
 
 
 class CountingDriver:
@@ -105,10 +110,10 @@ class CountingDriver:
 def test_driver_op_state_is_saved_and_restored(tmp_path):
     a = CountingDriver()
     a.seen = [0.5, 0.25]
-    ck.save_drivers({3: a, 4: lambda b, p: ({}, {})}, tmp_path)  # stateless ops: nothing
+    save_drivers({3: a, 4: lambda b, p: ({}, {})}, tmp_path)  # stateless ops: nothing
     assert sorted(p.name for p in (tmp_path / "coordinator").iterdir()) == ["driver-3.json"]
     b = CountingDriver()
-    ck.load_drivers({3: b}, tmp_path)
+    load_drivers({3: b}, tmp_path)
     assert b.seen == [0.5, 0.25]
     with pytest.raises(PipelineError, match="cannot load it"):
-        ck.load_drivers({3: lambda b, p: ({}, {})}, tmp_path)
+        load_drivers({3: lambda b, p: ({}, {})}, tmp_path)

@@ -123,7 +123,7 @@ def test_final_policy_is_exported_for_transformers(reference, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(policy), local_files_only=True)
     tok = PreTrainedTokenizerFast.from_pretrained(str(policy), local_files_only=True)
 
-    from hybridflow.pipeline.checkpoint.store import policy_weights
+    from hybridflow.pipeline.checkpoint.stage import policy_weights
 
     trained = policy_weights(last)  # assembled from the actor's shards
     for name, value in model.state_dict().items():

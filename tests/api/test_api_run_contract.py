@@ -19,7 +19,7 @@ from hybridflow import DataflowBuilder
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import CompileError, ConfigError
-from hybridflow.pipeline.checkpoint.store import policy_weights
+from hybridflow.pipeline.checkpoint.stage import policy_weights
 from hybridflow.pipeline.plan.planner import build_plan
 
 REWARD = "hybridflow.data.tasks:last_digit_reward"

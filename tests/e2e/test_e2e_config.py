@@ -164,7 +164,7 @@ def test_adaptive_kl_coefficient_of_a_resumed_run_starts_at_its_first_step():
 
 
 def test_adaptive_kl_schedule_survives_a_checkpoint_round_trip(tmp_path):
-    from hybridflow.pipeline.checkpoint.store import load_drivers, save_drivers
+    from hybridflow.pipeline.checkpoint.checkpointer import load_drivers, save_drivers
 
     topo = load_topology("ppo", ["run.step_batch=32", "run.micro_batch=32"])  # 1 mb a step
     index = _adv_index(topo)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from e2e_helpers import mean, preset, read_jsonl
 
-from hybridflow.pipeline.checkpoint.store import resolve
+from hybridflow.pipeline.checkpoint.resume import resolve
 from hybridflow.pipeline.runtime.runner import run_topology
 
 pytest.importorskip("peft")

@@ -24,9 +24,12 @@ from typing import Any
 import pytest
 import torch
 
-from hybridflow.config.schema import load_topology
+from hybridflow.config.schema import CheckpointConfig, load_topology
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.checkpoint import store as ck
+from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer
+from hybridflow.pipeline.checkpoint.resume import read_meta
+from hybridflow.pipeline.checkpoint.stage import policy_weights, save_stage
+from hybridflow.pipeline.checkpoint.tree import read_state
 from hybridflow.pipeline.runtime.runner import resume_point
 from hybridflow.stages.parallel import checkpoint as shard_ckpt
 
@@ -69,12 +72,12 @@ def _topology(save_dir: Path):  # type: ignore[no-untyped-def]
 def _save(save_dir: Path, step: int) -> Path:
     """A complete checkpoint after `step` (steps done: step + 1), committed as a run does."""
     topo = _topology(save_dir)
-    c = ck.Checkpointer(ck.CheckpointConfig(str(save_dir), save_interval=1), last_step=10)
+    c = Checkpointer(CheckpointConfig(str(save_dir), save_interval=1), last_step=10)
     tmp = c.begin(step)
     roles = {"rollout": Plain(), "actor": Trainer(), "reference": Plain()}
     kinds = {name: name for name in roles}
-    ck.save_stage(roles, kinds, tmp, "engine", 0)
-    ck.save_stage({"reward": Plain()}, {"reward": "reward"}, tmp, "reward", 0)
+    save_stage(roles, kinds, tmp, "engine", 0)
+    save_stage({"reward": Plain()}, {"reward": "reward"}, tmp, "reward", 0)
     return c.commit(tmp, c.meta(step, topo, policy_version=step + 1))
 
 
@@ -103,7 +106,7 @@ def _refused(save_dir: Path, spec: str = "latest") -> str:
 def test_a_sound_checkpoint_resolves_and_resumes(save_dir):
     path, step = resume_point(_topology(save_dir), "latest")
     assert (Path(path).name, step) == ("step-00000004", 4)
-    meta = ck.read_meta(Path(path))
+    meta = read_meta(Path(path))
     assert meta["step"] == 4 and meta["actor"] == {"stage": "engine", "role": "actor"}
 
 
@@ -247,14 +250,14 @@ def test_the_stage_side_readers_check_the_files_too(save_dir):
     with pytest.raises(ConfigError, match=re.escape(f"checkpoint file {shard} is truncated")):
         trainer.load_shards(shard.parent, {})
     with pytest.raises(ConfigError, match=re.escape(f"checkpoint file {shard} is truncated")):
-        ck.policy_weights(root)
+        policy_weights(root)
     blob = root / "stages" / "engine-0" / "actor.safetensors"
     _truncate(blob)
     with pytest.raises(ConfigError, match=re.escape(f"checkpoint file {blob} is truncated")):
-        ck.read_state(blob.parent, "actor")
+        read_state(blob.parent, "actor")
     (root / "stages" / "engine-0" / "rng.json").write_text("{oops")
     with pytest.raises(ConfigError, match=re.escape("rng.json is unreadable")):
-        ck.read_state(blob.parent, "rng")
+        read_state(blob.parent, "rng")
 
 
 def test_a_sound_shard_loads_back_bit_exactly(save_dir):

@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.pipeline.checkpoint import store as ck
+from hybridflow.config.schema import CheckpointConfig
+from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer
+from hybridflow.pipeline.checkpoint.layout import FORMAT
+from hybridflow.pipeline.checkpoint.tree import write_state
 from hybridflow.stages.parallel import checkpoint as shard_ckpt
 
 FULL = Path("/dev/full")
@@ -51,7 +54,7 @@ def test_weight_shards_on_a_full_disk_are_an_os_error_naming_the_directory(tmp_p
 def test_a_state_file_on_a_full_disk_names_the_file(tmp_path):
     target = _full(tmp_path / "actor.json")
     with pytest.raises(OSError) as info:
-        ck.write_state({"w": torch.ones(4), "step": 3}, tmp_path, "actor")
+        write_state({"w": torch.ones(4), "step": 3}, tmp_path, "actor")
     assert info.value.errno == errno.ENOSPC, info.value
     assert info.value.filename == str(target)
 
@@ -76,7 +79,7 @@ def test_a_safetensors_file_on_a_full_disk_names_the_file(tmp_path, monkeypatch)
         monkeypatch.setattr("safetensors.torch.save_file", full_disk)
     try:
         with pytest.raises(OSError) as info:
-            ck.write_state({"w": torch.ones(64 << 10)}, out, "actor")  # 256 KiB
+            write_state({"w": torch.ones(64 << 10)}, out, "actor")  # 256 KiB
         assert info.value.errno == errno.ENOSPC, info.value
         assert info.value.filename == str(out / "actor.safetensors")
     finally:
@@ -85,8 +88,8 @@ def test_a_safetensors_file_on_a_full_disk_names_the_file(tmp_path, monkeypatch)
 
 
 def test_enospc_while_committing_latest_names_it_and_leaves_no_temporary(tmp_path, monkeypatch):
-    c = ck.Checkpointer(ck.CheckpointConfig(str(tmp_path), save_interval=1), last_step=3)
-    first = c.commit(c.begin(0), {"format": ck.FORMAT, "step": 1})
+    c = Checkpointer(CheckpointConfig(str(tmp_path), save_interval=1), last_step=3)
+    first = c.commit(c.begin(0), {"format": FORMAT, "step": 1})
     write_text = Path.write_text
 
     def full_disk(self: Path, text: str, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -97,7 +100,7 @@ def test_enospc_while_committing_latest_names_it_and_leaves_no_temporary(tmp_pat
 
     monkeypatch.setattr(Path, "write_text", full_disk)
     with pytest.raises(OSError) as info:
-        c.commit(c.begin(1), {"format": ck.FORMAT, "step": 2})
+        c.commit(c.begin(1), {"format": FORMAT, "step": 2})
     assert info.value.errno == errno.ENOSPC
     assert info.value.filename == str(tmp_path / "latest")
     assert not list(tmp_path.glob(".tmp-*")), list(tmp_path.iterdir())
@@ -107,7 +110,7 @@ def test_enospc_while_committing_latest_names_it_and_leaves_no_temporary(tmp_pat
 
 
 def test_a_stale_temporary_latest_is_swept_by_the_next_save(tmp_path):
-    c = ck.Checkpointer(ck.CheckpointConfig(str(tmp_path), save_interval=1), last_step=3)
+    c = Checkpointer(CheckpointConfig(str(tmp_path), save_interval=1), last_step=3)
     (tmp_path / ".tmp-latest-abc123").write_text("step-00000001\n")  # an older crash's
     c.begin(0)
     assert [p.name for p in tmp_path.glob(".tmp-latest*")] == []

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hybridflow.config.fields import SEQUENCE_FIELDS
 from hybridflow.config.loader import from_dict, to_dict
 from hybridflow.config.schema import (
+    CheckpointConfig,
     MetricsConfig,
     OpConfig,
     RunConfig,
@@ -72,7 +73,8 @@ from hybridflow.config.schema import (
     ValidationConfig,
 )
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.checkpoint import store as ckpt
+from hybridflow.pipeline.checkpoint import resume as ckpt
+from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer
 from hybridflow.pipeline.compiler.frontend import CompiledStep
 from hybridflow.pipeline.compiler.ir import StepOutput
 from hybridflow.pipeline.plan.planner import Plan, build_plan
@@ -150,7 +152,7 @@ class Engine:
         self.log_dir = Path(settings["log_dir"])
         self.step = 0  # RL steps done
         self.state: str | None = None  # the checkpoint holding the current state
-        self.save: ckpt.CheckpointConfig | None = None
+        self.save: CheckpointConfig | None = None
         self.history: list[dict[str, float]] = []
         self._session: Session | None = None
         self._cache: _Declared | None = None
@@ -190,7 +192,7 @@ class Engine:
         """Checkpoint into `save_path` every `save_interval` steps of later `train` calls
         and at their end, keeping the last `keep_last`. If the engine already trained,
         its current state is saved there now too; returns that directory (else None)."""
-        cfg = ckpt.CheckpointConfig(str(save_path), int(save_interval), int(keep_last))
+        cfg = CheckpointConfig(str(save_path), int(save_interval), int(keep_last))
         cfg.validate()
         self.save = cfg
         if self.state is None:
@@ -259,7 +261,7 @@ class Engine:
                 save_path, save_interval or 0, 3 if keep_last is None else keep_last
             )
         elif self.save is not None and (save_interval is not None or keep_last is not None):
-            self.save = ckpt.CheckpointConfig(
+            self.save = CheckpointConfig(
                 self.save.save_dir,
                 self.save.save_interval if save_interval is None else save_interval,
                 self.save.keep_last if keep_last is None else keep_last,
@@ -393,8 +395,8 @@ class Engine:
         )
         plan = build_plan(topo, check_devices=True)
         launch = plan if overrides else None
-        cfg = ckpt.CheckpointConfig(str(self.log_dir / "sft" / "checkpoints"), 0, 1)
-        res = self._job(plan, launch, 0, ckpt.Checkpointer(cfg, steps - 1, self._extra()))
+        cfg = CheckpointConfig(str(self.log_dir / "sft" / "checkpoints"), 0, 1)
+        res = self._job(plan, launch, 0, Checkpointer(cfg, steps - 1, self._extra()))
         policy = Path(res.checkpoints[-1]) / "policy"
         if lora:
             policy = policy / "merged"
@@ -515,9 +517,9 @@ class Engine:
         source = dataset_source(dataset, self.log_dir)
         return dataclasses.replace(base.data, options={**base.data.options, "source": source})
 
-    def _checkpointer(self, last_step: int) -> ckpt.Checkpointer:
-        cfg = self.save or ckpt.CheckpointConfig(self._default_dir(), 0, 1)
-        return ckpt.Checkpointer(cfg, last_step, self._extra())
+    def _checkpointer(self, last_step: int) -> Checkpointer:
+        cfg = self.save or CheckpointConfig(self._default_dir(), 0, 1)
+        return Checkpointer(cfg, last_step, self._extra())
 
     def _extra(self) -> dict[str, Any]:
         step = self.builder.step_spec
@@ -528,7 +530,7 @@ class Engine:
         plan: Plan,
         launch: Plan | None,
         start: int,
-        checkpointer: ckpt.Checkpointer | None,
+        checkpointer: Checkpointer | None,
         *,
         collect: Sequence[str] = (),
         validator: Validator | None = None,
@@ -586,7 +588,7 @@ class Engine:
         session: Session,
         plan: Plan,
         start: int,
-        checkpointer: ckpt.Checkpointer | None,
+        checkpointer: Checkpointer | None,
         validator: Validator,
     ) -> RunResult:
         """Training steps cut at the validation points (pipeline/runtime/training.py),

@@ -72,7 +72,7 @@ from hybridflow.errors import (
     PipelineError,
     StageError,
 )
-from hybridflow.pipeline.checkpoint.store import Checkpointer, load_drivers, save_drivers
+from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer, load_drivers, save_drivers
 from hybridflow.pipeline.driver.registry import resolve_driver_op
 from hybridflow.pipeline.observe.metrics import MetricsSink
 from hybridflow.pipeline.observe.samples import sample_sinks, samples_wanted

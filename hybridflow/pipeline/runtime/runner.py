@@ -46,8 +46,8 @@ from hybridflow.config.imports import cwd_off_path
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import Topology, load_topology
 from hybridflow.errors import ConfigError, StageError
-from hybridflow.pipeline.checkpoint import store as ckpt
-from hybridflow.pipeline.checkpoint.store import Checkpointer
+from hybridflow.pipeline.checkpoint import resume as ckpt
+from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer
 from hybridflow.pipeline.observe.metrics import MetricsSink, make_sinks
 from hybridflow.pipeline.plan.planner import (
     Plan,

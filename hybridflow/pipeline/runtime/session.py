@@ -58,7 +58,7 @@ from typing import Any
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import Topology
 from hybridflow.errors import ConfigError, PipelineError
-from hybridflow.pipeline.checkpoint.store import Checkpointer
+from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer
 from hybridflow.pipeline.host.weight_sync import endpoints
 from hybridflow.pipeline.observe.metrics import MetricsSink, make_sinks
 from hybridflow.pipeline.plan.planner import Plan

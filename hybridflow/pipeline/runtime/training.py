@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from hybridflow.pipeline.checkpoint.store import Checkpointer
+from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer
 from hybridflow.pipeline.observe.metrics import MetricsSink
 from hybridflow.pipeline.observe.samples import sample_sinks, samples_wanted
 from hybridflow.pipeline.plan.planner import Plan, build_plan
