@@ -130,8 +130,9 @@ def render_config() -> str:
     out = [
         "# Topology file reference",
         "",
-        "Generated from the dataclasses in `hybridflow/config/schema.py` (each field's doc is",
-        "its comment or attribute docstring there) by `scripts/docgen`, at every `mkdocs build`.",
+        "Generated from the section dataclasses of `hybridflow/config/` (`schema.py` and the",
+        "modules it imports them from; each field's doc is its comment or attribute docstring",
+        "there) by `scripts/docgen`, at every `mkdocs build`.",
         "A topology file is loaded strictly: an unknown key, a wrong type or an impossible",
         "value fails before any process starts, naming the dotted key and the fix.",
         "`--set key=value` (the CLI) and `df.to_yaml()` (the Python API) speak the same keys.",

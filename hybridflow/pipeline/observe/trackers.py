@@ -12,7 +12,7 @@ jsonl, are left out), each metric under its own key, at `step`.
             (MLflow 3 keeps the `./mlruns` file store in maintenance mode and refuses it
             unless MLFLOW_ALLOW_FILE_STORE is set, so the local default is SQLite.)
 
-Names (`metrics.options`, config/schema.py TrackerOptions; the environment when unset):
+Names (`metrics.options`, config/runtime.py TrackerOptions; the environment when unset):
     wandb project   options.project, $WANDB_PROJECT, the topology's name
     mlflow experiment options.project, $MLFLOW_EXPERIMENT_NAME, the topology's name
     run name        options.run_name, $WANDB_NAME (wandb), the topology's name
