@@ -17,12 +17,30 @@ from hybridflow.errors import ConfigError
 
 DRIVER_ROLE = "driver"  # ops computed in the coordinator process, not in a stage
 
+# THE role table: the kinds of the built-in roles (RoleConfig.kind; a role named after its
+# kind needs none), each with every name a user may write for it, the preferred one first.
+# The Python API's device_mapping keys and the step logic's role names (`ref.get_logprob`)
+# are these names; the rollout is reached in the logic through `actor.generate`.
+ROLE_NAMES: dict[str, tuple[str, ...]] = {
+    "rollout": ("rollout",),
+    "actor": ("actor",),
+    "critic": ("critic",),
+    "reference": ("ref", "reference"),
+    "reward": ("reward", "rm"),
+}
+ROLE_KINDS = tuple(ROLE_NAMES)
+
+
+def role_kind(name: str) -> str:
+    """The role kind a name stands for (`ref` -> `reference`); any other name as given."""
+    return next((kind for kind, names in ROLE_NAMES.items() if name in names), name)
+
 
 @dataclass(frozen=True)
 class RoleConfig:
     """One role hosted by a stage. `kind` picks the implementation family (defaults to the
-    role's name: rollout, actor, critic, reference, reward); `backend` picks the
-    implementation; `options` go to it verbatim (StageContext.options)."""
+    role's name: one of ROLE_KINDS, rollout, actor, critic, reference, reward); `backend`
+    picks the implementation; `options` go to it verbatim (StageContext.options)."""
 
     backend: str  # the implementation: hf, native, vllm, function, model, http, zmq, ...
     kind: str = ""  # "" = the role's name (rollout, actor, critic, reference, reward)

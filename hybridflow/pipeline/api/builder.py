@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from hybridflow.config.imports import split_spec
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import LOG_LEVELS, Topology, load_topology
+from hybridflow.config.stages import ROLE_NAMES, role_kind
 from hybridflow.errors import ConfigError
 from hybridflow.pipeline.api.placement import normalize, place
 from hybridflow.pipeline.compiler.frontend import CompiledStep, compile_step
@@ -114,7 +115,7 @@ class DataflowBuilder:
                 "add_actor.rollout_backend",
                 f"unknown engine {rollout_backend!r}; known: {', '.join(_ROLLOUT_BACKENDS)}",
             )
-        mapping = _role_mapping(device_mapping, "actor", ("actor",), ("rollout",))
+        mapping = _role_mapping(device_mapping, "actor", "rollout")
         roll_map = device_mapping.get("rollout") if isinstance(device_mapping, Mapping) else None
         if roll_map is not None:
             normalize("rollout", roll_map)
@@ -166,21 +167,21 @@ class DataflowBuilder:
         self, model_name: str, device_mapping: Any = None, **options: Any
     ) -> DataflowBuilder:
         """A value model (a value head on `model_name`'s trunk) for GAE."""
-        mapping = _role_mapping(device_mapping, "critic", ("critic",))
+        mapping = _role_mapping(device_mapping, "critic")
         return self._add("critic", "hf", {"model": model_name, **options}, mapping)
 
     def add_reference_model(
         self, model_name: str, device_mapping: Any = None, **options: Any
     ) -> DataflowBuilder:
         """The frozen initial policy (`ref` in the logic), for the KL term."""
-        mapping = _role_mapping(device_mapping, "reference", ("ref", "reference"))
+        mapping = _role_mapping(device_mapping, "reference")
         return self._add("reference", "hf", {"model": model_name, **options}, mapping)
 
     def add_reward_model(
         self, model_name: str, device_mapping: Any = None, **options: Any
     ) -> DataflowBuilder:
         """A sequence-classification reward model (`reward` in the logic)."""
-        mapping = _role_mapping(device_mapping, "reward", ("reward", "rm"))
+        mapping = _role_mapping(device_mapping, "reward")
         return self._add("reward", "model", {"model": model_name, **options}, mapping)
 
     def add_reward_function(
@@ -190,7 +191,7 @@ class DataflowBuilder:
         hybridflow.stages.reward.function); imported by name in its stage process."""
         # Syntax only: the function is imported in its stage process.
         split_spec(function, "add_reward_function", form="package.module:function")
-        mapping = _role_mapping(device_mapping, "reward", ("reward",))
+        mapping = _role_mapping(device_mapping, "reward")
         return self._add("reward", "function", {"function": function, **options}, mapping)
 
     def add_reward_service(
@@ -208,7 +209,7 @@ class DataflowBuilder:
                 "add_reward_service.protocol", f"must be 'http' or 'zmq', got {protocol!r}"
             )
         key = "url" if protocol == "http" else "endpoint"
-        mapping = _role_mapping(device_mapping, "reward", ("reward",))
+        mapping = _role_mapping(device_mapping, "reward")
         return self._add("reward", protocol, {key: url, **options}, mapping)
 
     def _add(
@@ -342,7 +343,7 @@ class DataflowBuilder:
                     mapping = "cpu:2"
             mappings[role] = mapping
         for role, mapping in overrides.items():
-            runtime = {"ref": "reference", "rm": "reward"}.get(role, role)
+            runtime = role_kind(role)
             if runtime not in mappings:
                 raise ConfigError(
                     f"device_mapping.{role}", f"no such role here; roles: {', '.join(mappings)}"
@@ -539,19 +540,20 @@ class DataflowBuilder:
 # ---------------------------------------------------------------------------------------
 
 
-def _role_mapping(
-    value: Any, role: str, keys: tuple[str, ...], others: tuple[str, ...] = ()
-) -> Any:
-    """`device_mapping` as given to add_*: a mapping value, or a dict keyed by role
-    (`others`: keys of other roles this call also places, read by the caller)."""
+def _role_mapping(value: Any, role: str, *others: str) -> Any:
+    """`device_mapping` as given to add_*: a mapping value, or a dict keyed by any name of
+    `role` (config's ROLE_NAMES: `ref` or `reference`); `others`: roles this call also
+    places, whose keys the caller reads."""
+    keys = ROLE_NAMES[role] + tuple(n for other in others for n in ROLE_NAMES[other])
+    own = ROLE_NAMES[role]
     if isinstance(value, Mapping):
-        bad = [k for k in value if k not in keys + others]
+        bad = [k for k in value if k not in keys]
         if bad:
             raise ConfigError(
                 f"device_mapping.{bad[0]}",
-                f"not a role of this call; use {' or '.join(map(repr, keys + others))}",
+                f"not a role of this call; use {' or '.join(map(repr, keys))}",
             )
-        found = [value[k] for k in keys if k in value]
+        found = [value[k] for k in own if k in value]
         return found[0] if found else None
     return value
 

@@ -52,6 +52,7 @@ from hybridflow.pipeline.compiler.grammar import (
     ROLES,
     LogicParser,
     Stmt,
+    logic_name,
     parse_logic,
 )
 from hybridflow.pipeline.compiler.ir import (
@@ -202,7 +203,7 @@ class _Checker:
 
     def _role_call(self, st: Stmt) -> None:
         m = ROLE_METHODS[(st.role, st.method)]
-        label = f"{_logic_role(st.role)}.{st.method}"
+        label = f"{logic_name(st.role)}.{st.method}"
         needed = m.runtime_role
         if needed not in self.roles:
             raise self.err(st, f"{label} needs a {_ADDER.get(needed, needed)}; none was added")
@@ -303,10 +304,6 @@ _ADDER = {
     "critic": "critic (df.add_critic)",
     "reward": "reward (df.add_reward_model / add_reward_function / add_reward_service)",
 }
-
-
-def _logic_role(runtime_role: str) -> str:
-    return "ref" if runtime_role == "reference" else runtime_role
 
 
 def _kl_kind(checker: _Checker, st: Stmt, kind: Scalar) -> str:

@@ -3,7 +3,8 @@
 Tables (the ONE place that names things):
   KINDS         logic value kinds -> the runtime tensors they stand for (`score` is
                 `rewards`, `response` is response_ids/response_mask, ...)
-  ROLES         logic role names -> topology roles (`ref` is `reference`)
+  ROLES         logic role names -> topology roles (`ref` is `reference`), from
+                hybridflow.config.stages' ROLE_NAMES
   ROLE_METHODS  role.method(...) calls: accepted argument kinds, result kind, options
   ALGORITHMS    algorithm functions: accepted argument kinds, result kind, options
                 (the advantage estimators among them come from hybridflow.algos'
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS
 from hybridflow.config.fields import METADATA, PROMPT_FIELDS, RESPONSE_FIELDS
+from hybridflow.config.stages import ROLE_NAMES
 from hybridflow.errors import CompileError
 from hybridflow.pipeline.compiler.ir import Scalar
 from hybridflow.pipeline.driver import expr as expr_ops
@@ -55,14 +57,16 @@ KINDS: dict[str, Kind] = {
 INPUTS: dict[str, str] = {"prompt": "prompt", "prompts": "prompt"}
 DATA_FIELDS = (*PROMPT_FIELDS, METADATA)
 
-# Logic role names -> runtime role names (topology roles).
+# Logic role names -> runtime role names (topology roles): every name of config's role
+# table but the rollout's (the logic reaches the sampler through actor.generate).
 ROLES: dict[str, str] = {
-    "actor": "actor",
-    "ref": "reference",
-    "reference": "reference",
-    "critic": "critic",
-    "reward": "reward",
+    name: kind for kind, names in ROLE_NAMES.items() if kind != "rollout" for name in names
 }
+
+
+def logic_name(runtime_role: str) -> str:
+    """The name the logic and its messages use for a runtime role (`reference` -> `ref`)."""
+    return ROLE_NAMES[runtime_role][0] if runtime_role in ROLE_NAMES else runtime_role
 
 
 @dataclass(frozen=True)
@@ -343,7 +347,7 @@ class LogicParser:
                 raise self.error(
                     call,
                     f"{who}.{method}: attributes of other objects are not allowed; the roles "
-                    f"are {', '.join(sorted(set(ROLES) - {'reference'}))}",
+                    f"are {', '.join(sorted({logic_name(r) for r in ROLES.values()}))}",
                 )
             role = ROLES[who]
             if (role, method) not in ROLE_METHODS:
