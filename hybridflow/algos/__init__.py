@@ -22,6 +22,7 @@ Malformed input raises `hybridflow.errors.AlgorithmInputError`.
 from hybridflow.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageResult,
+    EstimatorOptions,
     EstimatorSpec,
     compute_advantages,
     gae,
@@ -72,6 +73,7 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageResult",
     "Correction",
+    "EstimatorOptions",
     "EstimatorSpec",
     "FixedKLController",
     "aggregate",

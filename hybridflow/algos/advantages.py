@@ -24,6 +24,13 @@ Dispatch: `ADVANTAGE_ESTIMATORS[name]` (an `EstimatorSpec`) is THE estimator tab
 does it need critic values? groups? does it define returns? which options? The
 `advantages` driver op and the step-logic compiler derive their checks from it, so a
 new estimator is one entry here. `compute_advantages(name, ...)` calls any of them.
+
+Defaults: `EstimatorOptions` is THE table of the estimators' option defaults (gamma,
+lam, whiten, norm_std, eps). The functions below take theirs from it, the `advantages`
+driver op's params dataclass extends it, and the step-logic compiler writes its values,
+so a YAML topology and a compiled logic that leave an option unset run with one value.
+`lam` is 1.0 (verl's `algorithm.lam`): with gamma = 1 GAE's advantages are then the
+Monte-Carlo return minus the value; the `ppo` preset sets its own 0.95.
 """
 
 from __future__ import annotations
@@ -112,6 +119,23 @@ def _check_scores(where: str, scores: torch.Tensor, mask: torch.Tensor) -> None:
         )
 
 
+# ------------------------------------------------------------------ options
+
+
+@dataclass
+class EstimatorOptions:
+    """The estimators' options and their defaults (THE defaults: see the module docstring).
+    Each estimator takes the subset its `EstimatorSpec.options` names."""
+
+    gamma: float = 1.0  # discount per response token (GAE, REINFORCE++)
+    lam: float = 1.0  # GAE's lambda: 1 = Monte-Carlo returns minus the value, 0 = TD(0)
+    # GAE: whiten the advantages over the call's valid tokens (the micro-batch's, or the
+    # step's when the advantages op has `scope: step`)
+    whiten: bool = True
+    norm_std: bool = True  # GRPO: divide by the group's std (false: Dr. GRPO)
+    eps: float = 1e-6  # GRPO: added to the group's std before dividing
+
+
 # ------------------------------------------------------------------ estimators
 
 
@@ -120,10 +144,10 @@ def gae(
     token_rewards: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float = 1.0,
+    gamma: float = EstimatorOptions.gamma,
+    lam: float = EstimatorOptions.lam,
     *,
-    whiten: bool = True,
+    whiten: bool = EstimatorOptions.whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016) over response tokens.
 
@@ -165,8 +189,8 @@ def grpo_advantages(
     scores: torch.Tensor,
     group_index: torch.Tensor,
     mask: torch.Tensor,
-    norm_std: bool = True,
-    eps: float = 1e-6,
+    norm_std: bool = EstimatorOptions.norm_std,
+    eps: float = EstimatorOptions.eps,
 ) -> torch.Tensor:
     """GRPO (Shao et al. 2024, outcome supervision): A_i = (s_i - mean_g) / (std_g + eps).
 
@@ -207,7 +231,7 @@ def rloo(scores: torch.Tensor, group_index: torch.Tensor, mask: torch.Tensor) ->
 def reinforce_pp(
     token_rewards: torch.Tensor,
     mask: torch.Tensor,
-    gamma: float = 1.0,
+    gamma: float = EstimatorOptions.gamma,
     group_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted returns, optionally minus a group baseline,

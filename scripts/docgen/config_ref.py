@@ -89,7 +89,9 @@ def other_option_classes() -> list[type]:
 
 def all_option_classes() -> list[type]:
     """Every option dataclass the references document (bases included via field_docs)."""
-    classes = [sec.cls for sec in topology_sections()]
+    from hybridflow.pipeline.driver.rl_ops import AdvantageParams
+
+    classes = [sec.cls for sec in topology_sections()] + [AdvantageParams]
     classes += [c.options_cls for *_, c in backend_classes() if getattr(c, "options_cls", None)]
     classes += [c for c in source_options().values() if c is not None]
     return classes + other_option_classes()
@@ -155,36 +157,39 @@ def render_config() -> str:
 
 
 def _driver_ops() -> list[str]:
-    from hybridflow.pipeline.driver import rl_ops
+    from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS
     from hybridflow.pipeline.driver.registry import DRIVER_OPS
+    from hybridflow.pipeline.driver.rl_ops import AdvantageParams
 
     names = ", ".join(code(n) for n in sorted(DRIVER_OPS))
-    params = _docstring_block(rl_ops.__doc__ or "", "Params")
     return [
         "### Driver ops",
         "",
         f"An op of role `driver` runs in the coordinator. Registered: {names}; any other",
         "`op:` is a `package.module:attr` (see [Extending](../extending.md#a-driver-op)).",
-        "The `advantages` op's `params:` (from `hybridflow/pipeline/driver/rl_ops.py`),",
-        "default in parentheses:",
+        "The `advantages` op's `params:` (`AdvantageParams` in",
+        "`hybridflow/pipeline/driver/rl_ops.py`; the estimators' options and their defaults",
+        "are `hybridflow.algos.EstimatorOptions`, which a compiled step logic writes too):",
         "",
-        "```text",
-        params,
-        "```",
+        _fields_table(field_docs(AdvantageParams)),
+        "",
+        "Estimators (`estimator:`; each takes the options listed):",
+        "",
+        table(
+            ["estimator", "options", "critic values", "groups", "meaning"],
+            [
+                [
+                    code(name),
+                    ", ".join(code(o) for o in spec.options) or "none",
+                    "yes" if spec.needs_values else "",
+                    "yes" if spec.needs_groups else "",
+                    cell(spec.doc),
+                ]
+                for name, spec in ADVANTAGE_ESTIMATORS.items()
+            ],
+        ),
         "",
     ]
-
-
-def _docstring_block(doc: str, title: str) -> str:
-    """The indented block under the line starting with `title` in a docstring."""
-    lines = doc.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(title))
-    block = []
-    for line in lines[start + 1 :]:
-        if not line.strip():
-            break
-        block.append(line[2:] if line.startswith("  ") else line)
-    return "\n".join(block)
 
 
 def render_options() -> str:

@@ -133,7 +133,11 @@ def test_builder_topologies_equal_the_bundled_presets():
     ppo.add_critic("tiny", lr=3e-3, cliprange_value=0.5, grad_clip=1.0)
     ppo.add_reward_function("hybridflow.data.tasks:last_digit_reward")
     ppo.add_reference_model("tiny")
-    ppo.define_training_step(inputs=["prompt"], outputs=["loss", "kl_div", "rewards"], logic=SEED)
+    # The preset sets GAE's lam to 0.95 (the default is verl's 1.0): the logic says so too.
+    logic = SEED.replace(
+        "ppo_loss(reward_score, kl_div)", "ppo_loss(reward_score, kl_div, lam=0.95)"
+    )
+    ppo.define_training_step(inputs=["prompt"], outputs=["loss", "kl_div", "rewards"], logic=logic)
     preset = load_topology("ppo")
     ppo.configure(step_batch=preset.run.step_batch, micro_batch=preset.run.micro_batch)
     ppo.set_data("last_digit", task_size=preset.data.options["task_size"])

@@ -57,8 +57,15 @@ OUTPUTS = ["loss", "kl_div", "rewards"]
 
 def test_seed_logic_compiles_to_the_ppo_preset():
     preset = load_topology("ppo")
-    cs = compile_step(SEED, ["prompt"], OUTPUTS, ALL)
+    # The preset sets GAE's lam to 0.95 (the default is verl's 1.0): the logic says so too.
+    logic = SEED.replace(
+        "ppo_loss(reward_score, kl_div)", "ppo_loss(reward_score, kl_div, lam=0.95)"
+    )
+    cs = compile_step(logic, ["prompt"], OUTPUTS, ALL)
     assert cs.dataflow == preset.dataflow
+    plain = compile_step(SEED, ["prompt"], OUTPUTS, ALL)  # lam left to the default
+    adv = next(op for op in plain.dataflow if op.op == "advantages")
+    assert adv.params["lam"] == 1.0
     assert cs.data_fields == preset.data.fields
     actor = preset.stages["engine"].roles["actor"].options
     for key, value in cs.role_options["actor"].items():
@@ -106,7 +113,7 @@ def test_order_of_independent_lines_and_explicit_forms_do_not_change_the_plan():
     actor_logprob = actor.get_logprob(prompt, response)
     kl_div = actor_logprob - ref_logprob
     shaped = reward_score - 0.05 * kl_div
-    advantages = gae(shaped, values, lam=0.95)
+    advantages = gae(shaped, values)
     loss = ppo_loss(advantages)
     actor.update(loss)
     vloss = value_loss(values, advantages)

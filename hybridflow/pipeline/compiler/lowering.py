@@ -51,6 +51,7 @@ from hybridflow.pipeline.compiler.ir import (
     StepOutput,
     Value,
 )
+from hybridflow.pipeline.driver.rl_ops import AdvantageParams
 
 
 def lower(ir: StepIR) -> CompiledStep:
@@ -59,11 +60,14 @@ def lower(ir: StepIR) -> CompiledStep:
     return _Lowering(ir).run()
 
 
-# What a compiled step writes out for an estimator option the logic leaves unset (the
-# bundled presets' values; lam 0.95 is the PPO practice). Options not listed here are
-# left to the `advantages` op's own defaults.
-WRITTEN_DEFAULTS: dict[str, Scalar] = {"gamma": 1.0, "lam": 0.95, "whiten": True, "norm_std": True}
-PPO_KL = {"kl_coef": 0.05, "kl_target": 0.1, "kl_horizon": 10000}  # penalty in the reward
+# Estimator options a compiled step writes out even when the logic leaves them unset, so
+# its topology shows what it runs with (the bundled presets write them too). The values
+# are the `advantages` op's own defaults (AdvantageParams, whose estimator options are
+# hybridflow.algos.EstimatorOptions): one default for YAML and compiled logic alike.
+WRITTEN_OPTIONS = ("gamma", "lam", "whiten", "norm_std")
+# The KL penalty in the reward that `ppo_loss(score, kl)` means when the logic gives no
+# kl_coef: this coefficient, adaptive toward this KL (the `ppo` preset's values).
+PPO_KL = {"kl_coef": 0.05, "kl_target": 0.1}
 GRPO_KL_COEF = 0.01  # KL as an actor loss term; the `grpo` preset uses the same value
 DEFAULT_GROUP_SIZE = 8  # samples per prompt for group estimators when generate says no n
 _ROLLOUT_OPTIONS = ("temperature", "top_p", "top_k", "max_new_tokens")
@@ -263,7 +267,8 @@ class _Lowering:
             raise ir.error(
                 line, f"option {unknown[0]}= does not apply to the {spec.name} estimator"
             )
-        written = {k: WRITTEN_DEFAULTS[k] for k in spec.options if k in WRITTEN_DEFAULTS}
+        defaults = AdvantageParams()
+        written = {k: getattr(defaults, k) for k in spec.options if k in WRITTEN_OPTIONS}
         adv_params: dict[str, Scalar] = {"estimator": spec.name, **written, **adv_opts}
         if shaping.get("dynamic_sampling") and not spec.needs_groups:
             raise ir.error(
@@ -395,7 +400,7 @@ class _Lowering:
             params["kl_coef"] = pen.kl_coef
             if pen.kl_target is not None:
                 params["kl_target"] = pen.kl_target
-                params["kl_horizon"] = PPO_KL["kl_horizon"]
+                params["kl_horizon"] = AdvantageParams.kl_horizon
             if self.old_key != "rollout_logprobs":
                 params["old_logprob_key"] = self.old_key
         if loss.score_key != "rewards":

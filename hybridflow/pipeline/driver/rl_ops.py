@@ -4,33 +4,11 @@
         -> advantages [B, R]          (and returns [B, R] where the estimator defines them)
            sample_mask [B]            (with dynamic_sampling: 1 = row kept for the loss)
 
-Params (the op's `params:` block, checked when the run is planned):
-  estimator        a key of hybridflow.algos.ADVANTAGE_ESTIMATORS: grpo | rloo |
-                   reinforce_pp | reinforce_pp_baseline | gae                 (grpo)
-  norm_std, eps    GRPO: divide by the group std (false = Dr. GRPO)            (true, 1e-6)
-  gamma, lam       discount and GAE lambda                                    (1.0, 1.0)
-  whiten           GAE: whiten advantages over the call's tokens (the micro-batch's, or
-                   the step's with `scope: step`)                              (true)
-  kl_penalty       null | k1 | k2 | k3: subtract coef * KL(policy || reference) from the
-                   token rewards before the estimator (PPO's "KL in the reward")  (null)
-  kl_coef          the (initial) coefficient                                   (0.0)
-  kl_target        null: fixed coefficient; a number: adaptive (Ziegler et al.)
-                   toward this mean per-token KL, over `kl_horizon` samples      (null, 10000)
-  old_logprob_key  the input holding the behaviour policy's log-probs         (rollout_logprobs)
-  overlong_buffer_len, overlong_max_len, overlong_penalty_factor
-                   DAPO's soft overlong penalty (algos.shaping.overlong_penalty) added
-                   to the rewards before the estimator: 0 within max_len - buffer_len
-                   tokens, a ramp to -factor at max_len (set it to the rollout's
-                   max_new_tokens); buffer 0 disables it                     (0, 0, 1.0)
-  dynamic_sampling DAPO's filter: the samples of groups whose (task) rewards all agree
-                   get advantage 0 and sample_mask 0, so actor.update leaves them out
-                   of the loss AND its denominator (declare `sample_mask` as an output
-                   here and an input of actor.update). Needs a group estimator. (false)
-  dynamic_sampling_keep
-                   with `scope: step`: train on at most this many samples, the
-                   informative groups in data order (verl's DAPO truncates its filtered
-                   batch to the train batch size the same way); generate more than it
-                   (run.step_batch) to leave room for dropped groups. 0 = keep all   (0)
+Params (the op's `params:` block, checked when the run is planned): the fields of
+`AdvantageParams` below, each with its default and its comment (the topology reference
+renders them); the estimator's own options and their defaults are
+hybridflow.algos.EstimatorOptions', which AdvantageParams extends: the one table of
+them, for YAML topologies and compiled step logic alike.
 
 Dynamic sampling, what is and is not done: DAPO drops zero-variance groups and then
 samples MORE prompts until the step holds its train batch of informative samples. Here the
@@ -84,7 +62,11 @@ from typing import Any
 
 import torch
 
-from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from hybridflow.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    EstimatorOptions,
+    compute_advantages,
+)
 from hybridflow.algos.kl import (
     KL_ALIASES,
     KL_KINDS,
@@ -102,22 +84,34 @@ GROUP_SOURCE = "prompts"  # the data source that lays steps out in groups (sourc
 
 
 @dataclass
-class AdvantageParams:
-    estimator: str = "grpo"
-    norm_std: bool = True
-    eps: float = 1e-6
-    gamma: float = 1.0
-    lam: float = 1.0
-    whiten: bool = True
+class AdvantageParams(EstimatorOptions):
+    """The `advantages` op's params: the estimator's options (EstimatorOptions: gamma,
+    lam, whiten, norm_std, eps) and the op's own."""
+
+    estimator: str = "grpo"  # a key of hybridflow.algos.ADVANTAGE_ESTIMATORS
+    # null or a KL estimator (k1, k2, k3, ...): subtract kl_coef * KL(policy || reference)
+    # from the token rewards before the estimator (PPO's "KL in the reward")
     kl_penalty: str | None = None
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0  # the KL penalty's (initial) coefficient
+    # null: a fixed kl_coef; a number: adaptive (Ziegler et al.) toward this mean
+    # per-token KL, over kl_horizon samples
     kl_target: float | None = None
-    kl_horizon: float = 10000.0
-    old_logprob_key: str = "rollout_logprobs"
+    kl_horizon: float = 10000.0  # samples over which the adaptive coefficient moves
+    old_logprob_key: str = "rollout_logprobs"  # the input holding the behaviour log-probs
+    # DAPO's soft overlong penalty (algos.shaping.overlong_penalty), added to the rewards
+    # before the estimator: 0 within overlong_max_len - overlong_buffer_len tokens, a ramp
+    # to -overlong_penalty_factor at overlong_max_len; 0 disables it
     overlong_buffer_len: int = 0
-    overlong_max_len: int = 0
-    overlong_penalty_factor: float = 1.0
+    overlong_max_len: int = 0  # the response length limit (the rollout's max_new_tokens)
+    overlong_penalty_factor: float = 1.0  # the overlong penalty at overlong_max_len
+    # DAPO's filter: the samples of groups whose (task) rewards all agree get advantage 0
+    # and sample_mask 0, so actor.update leaves them out of the loss and its denominator
+    # (declare `sample_mask` as an output here and an input of actor.update); needs a
+    # group estimator
     dynamic_sampling: bool = False
+    # With `scope: step`: train on at most this many samples, the informative groups in
+    # data order (verl's DAPO recipe; generate more than it, run.step_batch, to leave room
+    # for dropped groups); 0 = keep all
     dynamic_sampling_keep: int = 0
 
     def validate(self, path: str) -> None:
