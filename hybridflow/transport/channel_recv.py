@@ -1,0 +1,179 @@
+"""A channel's receive path: the next valid message, its tensors rebuilt, acks consumed.
+
+The fast path: ZMQ_EVENTS says a message is queued, one non-blocking multipart recv
+(`_try_recv`: small frames as bytes, tensor frames as zmq Frames, copied once by the
+codec), decode (`_decode`), return. Only an empty queue waits (channel_wait.py).
+
+Invariants:
+  - a malformed message never kills a receiver: `recv` logs it, counts it in
+    `bad_messages`, tells `on_bad_message` (its owner decides whether the loss is an
+    error: a stage's task, a result the coordinator waits for) and waits for the next one;
+  - `Release` messages are consumed here (the codec frees what they name), never returned;
+  - a gated ROUTER never decodes the tensors of a peer it has not admitted
+    (`_untrusted`; channel_gate.py);
+  - every message marks its sender as seen in the `PeerTable`; peers are checked for
+    death between messages, never with one in hand, and queued input first: a peer whose
+    heartbeats wait in our queue is late, not dead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from hybridflow.errors import PeerDeadError, ProtocolError, TransportTimeout
+from hybridflow.transport import protocol
+from hybridflow.transport.channel_send import SendPath
+from hybridflow.transport.channel_wait import NOBLOCK, POLLIN
+from hybridflow.transport.protocol import Msg, Release
+
+log = logging.getLogger("hybridflow.transport.channel")
+
+_MAX_PARTS = protocol.MAX_FRAMES + 3  # identity + kind + header + buffers
+
+
+@dataclass(slots=True)
+class Received:
+    msg: Msg
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    peer: bytes | None = None  # ROUTER only: identity to reply to (the admitted name if gated)
+    # False: a gated ROUTER got this from a connection it has not admitted; `peer` is then
+    # the raw connection identity (answer with `reply`), and no tensors were decoded.
+    trusted: bool = True
+
+
+class RecvPath(SendPath):
+    """Receiving on `Channel` (channel.py sets the attributes below)."""
+
+    bad_messages: int  # malformed messages dropped
+    # Called as (peer, error, the message's header body or None) for every message
+    # dropped as malformed; the owner turns a lost message it was waiting for into
+    # an error (a Channel only counts and logs).
+    on_bad_message: Callable[[bytes | None, ProtocolError, Msg | None], None] | None
+    acks_received: int  # Release messages consumed here
+
+    async def recv(
+        self,
+        timeout: float | None = None,
+        *,
+        timeout_setting: str = "transport.recv_timeout_s",
+    ) -> Received:
+        """Next valid message. Malformed ones are logged and skipped, never raised."""
+        loop = self._bind_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            if self.codec.has_outbox():
+                self._flush_outbox()
+            # ZMQ_EVENTS first, not a recv that raises zmq.Again: one call either way,
+            # and when nothing is queued it is also the re-arm that `_wait` needs.
+            events = self._events()
+            if not events & POLLIN:
+                # Between messages, never with one in hand; and queued input first: a peer
+                # whose heartbeats wait in our queue is late, not dead.
+                if self._peers_due():
+                    self._check_peers()
+                if not await self._wait(loop, POLLIN, deadline, events):
+                    raise TransportTimeout(
+                        f"channel {self.name}: nothing received for {timeout}s; "
+                        f"raise `{timeout_setting}` if the peer is just slow"
+                    )
+                continue
+            frames = self._try_recv()
+            if frames is None:
+                continue
+            try:
+                got = self._decode(frames)
+            except ProtocolError as exc:
+                self.bad_messages += 1
+                if self.bad_messages <= 10 or self.bad_messages % 1000 == 0:  # no log floods
+                    log.warning(
+                        "channel %s: dropped malformed message (%d so far): %s",
+                        self.name,
+                        self.bad_messages,
+                        exc,
+                    )
+                if self.on_bad_message is not None and self._admitted_sender(frames):
+                    # The owner decides whether this loss matters (a known peer with work
+                    # in flight: yes); the header, if it decodes, says what was lost.
+                    peer = self._name_of.get(frames[0], frames[0]) if self._router else None
+                    self.on_bad_message(
+                        peer, exc, _header_of(frames[1:] if self._router else frames)
+                    )
+                continue
+            if got is None:  # a peer not admitted sent tensors or acks: dropped undecoded
+                continue
+            if self.peers is not None:
+                self.peers.seen(got.peer, got.msg)
+            if isinstance(got.msg, Release):
+                self.acks_received += 1
+                self.codec.on_release(got.peer, got.msg)
+                continue
+            return got
+
+    def _try_recv(self) -> list[Any] | None:
+        sock = self._sock
+        try:
+            first = sock.recv(NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        except zmq.ZMQError as exc:
+            raise PeerDeadError(f"channel {self.name}: receive failed: {exc}") from exc
+        self._poke()
+        # Identity, kind and header are small: bytes are cheapest. Tensor frames stay zmq
+        # Frames (no copy until the codec copies them once into tensor memory). Frames
+        # carry their RCVMORE bit (`more`): no getsockopt per part.
+        frames: list[Any] = [first.bytes]
+        n_small = 3 if self._router else 2
+        more = first.more
+        while more:
+            part = sock.recv(0, copy=False)
+            more = part.more
+            if len(frames) <= _MAX_PARTS:  # beyond: drain but drop; decode rejects it
+                frames.append(part.bytes if len(frames) < n_small else part)
+        return frames
+
+    def _decode(self, frames: list[Any]) -> Received | None:
+        peer = None
+        if self._router:
+            peer = frames[0]
+            frames = frames[1:]
+            if self.gated:
+                name = self._name_of.get(peer)
+                if name is None:
+                    return self._untrusted(peer, frames)
+                peer = name
+        msg, descs, buffers = protocol.decode(frames)
+        tensors = self.codec.decode(descs, buffers, peer) if descs else {}
+        return Received(msg, tensors, peer)
+
+    def _untrusted(self, conn: bytes, frames: list[Any]) -> Received | None:
+        """A message of a connection not admitted: its header is validated (bounded; it
+        touches nothing), the tensors it describes are never looked at."""
+        msg, descs, _ = protocol.decode(frames)
+        if not descs and not isinstance(msg, Release):
+            return Received(msg, {}, conn, trusted=False)
+        self.untrusted_dropped += 1
+        if self.untrusted_dropped <= 10 or self.untrusted_dropped % 1000 == 0:
+            log.warning(
+                "channel %s: %s with %d tensor(s) from %r, a peer not admitted, dropped "
+                "undecoded (%d so far)",
+                self.name,
+                type(msg).__name__,
+                len(descs),
+                conn,
+                self.untrusted_dropped,
+            )
+        return None
+
+
+def _header_of(frames: list[Any]) -> Msg | None:
+    """The body of a message whose tensors could not be rebuilt (None: not even that)."""
+    try:
+        return protocol.decode(frames)[0]
+    except ProtocolError:
+        return None
