@@ -152,11 +152,8 @@ class Channel(RecvPath):
         self._curve_domain = ""
         try:
             if keys is not None and endpoint.startswith("tcp://"):
-                self.curve = True
                 self._curve_domain = keys.domain
                 self._gate = curve.apply(self._sock, self._ctx, keys, bind=bind)
-            else:
-                self.curve = False
             if bind:
                 self._sock.bind(endpoint)
                 # tcp://127.0.0.1:0 binds a free port; report the real address.
