@@ -1,5 +1,6 @@
-"""The coordinator side of a run: launching stage processes (launcher), the coordinator's
-event loop for one job (coordinator), the pure micro-batch/step state machine
-(scheduler), stage liveness (peers), processes kept up across jobs (session) and the
-one-shot whole-run driver (runner).
+"""The coordinator side of a run: launching stage processes (launcher, ray_launcher), the
+coordinator of one job (coordinator/), the pure micro-batch/step state machine
+(scheduler) and a step's records (steps), stage liveness (peers, watch/), processes kept
+up across jobs (session), the one-shot whole-run driver (runner), training cut at the
+validation points (training, validation) and `hybridflow eval` (evaluate).
 """
