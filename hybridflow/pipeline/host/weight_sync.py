@@ -27,12 +27,13 @@ Invariants:
   - every wait is bounded by the op's `sync_timeout_s` param (default DEFAULT_TIMEOUT_S),
     and a receiver process that dies mid-sync ends the sender's wait at once
     (`PeerDeadError` naming it, the version and the bucket);
-  - roles never see a socket: the stage runtime (stage_process.py) calls this module, which
+  - roles never see a socket: the stage host (tasks.py) calls this module, which
     calls the sender's `weight_buckets()` and the receiver's `load_weights` op.
 """
 
 from __future__ import annotations
 
+import enum
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -55,7 +56,7 @@ from hybridflow.pipeline.plan.weight_links import (
 )
 from hybridflow.transport.protocol import Task
 
-__all__ = ["DEFAULT_TIMEOUT_S", "WINDOW", "StageWeightSync", "WeightLink", "links"]
+__all__ = ["DEFAULT_TIMEOUT_S", "WINDOW", "StageWeightSync", "Via", "WeightLink", "links"]
 
 TIMEOUT_PARAM = "sync_timeout_s"  # op param bounding every wait of one sync
 # load_weights param: take the buckets into private memory as they arrive, while the
@@ -118,13 +119,24 @@ class WeightSource(Protocol):
 InWorker = Callable[..., Awaitable[Any]]
 
 
+class Via(enum.Enum):
+    """How the stage host runs one linked op, instead of calling the role (`routes`)."""
+
+    SEND = "send"  # the source's reshard: stream the weights to the link's receivers
+    RECEIVE = "receive"  # a target's load_weights, as a barrier: pull and load each bucket
+    STAGE = "stage"  # a target's load_weights with `stage_weights`: receive now, load at
+    # the barrier (`stage` / `apply`)
+
+
 class StageWeightSync:
-    """The weight-sync ends hosted by one stage replica; stage_process.py routes the
-    `reshard` / `load_weights` tasks of linked roles here instead of to `Role.handle`."""
+    """The weight-sync ends hosted by one stage replica. `routes` says which ops of this
+    replica's roles are ends of a link, from the plan's links (their dataflow indices),
+    never from op names: the stage host runs those here instead of calling the role."""
 
     def __init__(self) -> None:
         self.senders: dict[str, tuple[WeightLink, WeightSender | None]] = {}  # source role
         self.receivers: dict[str, tuple[WeightLink, WeightReceiver]] = {}  # target role
+        self.routes: dict[tuple[str, str], Via] = {}  # (role, op) -> how the host runs it
 
     @classmethod
     def for_stage(
@@ -170,8 +182,12 @@ class StageWeightSync:
                         nccl_listen_fd=int(spec.get("nccl_listen_fd", -1)),
                     )
                 self.senders[link.source] = (link, sender)
+                self.routes[(link.source, topo.dataflow[link.reshard_op].op)] = Via.SEND
             for rank, (role, s, r) in enumerate(link.receivers, start=1):
                 if (s, r) == (stage, replica):
+                    load = topo.dataflow[link.load_ops[link.targets.index(role)]]
+                    staged = bool(load.params.get(STAGE_PARAM))
+                    self.routes[(role, load.op)] = Via.STAGE if staged else Via.RECEIVE
                     self.receivers[role] = (
                         link,
                         WeightReceiver(
@@ -200,16 +216,17 @@ class StageWeightSync:
         for _, receiver in self.receivers.values():
             await receiver.start()
 
-    def handles(self, task: Task) -> bool:
-        return (task.op == "reshard" and task.role in self.senders) or (
-            task.op == "load_weights" and task.role in self.receivers
-        )
-
     async def run(
-        self, task: Task, roles: dict[str, Any], params: dict[str, Any], in_worker: InWorker
+        self,
+        task: Task,
+        via: Via,
+        roles: dict[str, Any],
+        params: dict[str, Any],
+        in_worker: InWorker,
     ) -> Metrics:
+        """Run a SEND or RECEIVE end of a link as the task's barrier."""
         timeout = float(params.get(TIMEOUT_PARAM) or DEFAULT_TIMEOUT_S)
-        if task.op == "reshard":
+        if via is Via.SEND:
             link, sender = self.senders[task.role]
             setting = f"dataflow[{link.reshard_op}].params.{TIMEOUT_PARAM}"
             return await self._send(link, sender, roles, params, in_worker, timeout, setting)
@@ -232,13 +249,6 @@ class StageWeightSync:
     # runs as the barrier, loading the staged buckets once the generates are done. Cost: a
     # full copy of the weights held on the receiver until the barrier (shared-memory
     # buckets are copied out of their leases; NCCL buckets are already private).
-
-    def stages(self, task: Task) -> bool:
-        return (
-            task.op == "load_weights"
-            and task.role in self.receivers
-            and bool(task.params.get(STAGE_PARAM))
-        )
 
     async def stage(self, task: Task) -> tuple[Staged, Metrics]:
         """Receive every bucket of one version into private memory (acknowledging each)."""
