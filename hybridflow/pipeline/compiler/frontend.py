@@ -30,7 +30,8 @@ exists) and micro-batches stream. Two logics that say the same thing in a differ
 order compile to the same list.
 
 Modules: grammar.py (the tables and the parser), this one (names, kinds, checks:
-`analyze` -> the typed IR of ir.py; `compile_step`), lowering.py (IR -> ops).
+`analyze` -> the typed IR of ir.py; `compile_step`), lowering.py (IR -> ops) with
+loss.py (the policy loss, resolved).
 
 Invariant: `compile_step` either returns a dataflow that `Topology` validation accepts
 (given the roles it was told exist) or raises CompileError; it imports no torch.

@@ -1,8 +1,8 @@
 """Lowering: the typed IR of a checked step logic (ir.StepIR) -> Topology dataflow ops.
 
 Consumes a StepIR (frontend.analyze) and nothing else of the frontend; produces a
-CompiledStep. Which estimator needs critic values or groups, and which options it takes,
-is read from hybridflow.algos' ADVANTAGE_ESTIMATORS.
+CompiledStep. The policy loss (its estimator and that estimator's options, its score, where
+its KL goes) is resolved by loss.py; this module lays the ops out.
 
 The shapes produced are the bundled presets' (grpo/ppo), so a logic that says what a
 preset does compiles to that preset's op list:
@@ -25,32 +25,15 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS, EstimatorSpec
 from hybridflow.config.fields import FIELDS, GENERATE_INPUTS, GENERATE_OUTPUTS, METADATA
 from hybridflow.config.fields import SEQUENCE_FIELDS as SEQ
 from hybridflow.config.schema import DRIVER_ROLE, OpConfig
 from hybridflow.errors import CompileError
-from hybridflow.pipeline.compiler.grammar import (
-    DATA_FIELDS,
-    ESTIMATOR_OPTIONS,
-    KINDS,
-    SHAPING_OPTIONS,
-)
-from hybridflow.pipeline.compiler.ir import (
-    KL,
-    Apply,
-    Arith,
-    Call,
-    CompiledStep,
-    Penalty,
-    Scalar,
-    StepIR,
-    StepOutput,
-    Value,
-)
+from hybridflow.pipeline.compiler.grammar import DATA_FIELDS, KINDS
+from hybridflow.pipeline.compiler.ir import Arith, CompiledStep, Scalar, StepIR, StepOutput, Value
+from hybridflow.pipeline.compiler.loss import PolicyLoss, resolve_loss
 from hybridflow.pipeline.driver.rl_ops import AdvantageParams
 
 
@@ -60,69 +43,10 @@ def lower(ir: StepIR) -> CompiledStep:
     return _Lowering(ir).run()
 
 
-# Estimator options a compiled step writes out even when the logic leaves them unset, so
-# its topology shows what it runs with (the bundled presets write them too). The values
-# are the `advantages` op's own defaults (AdvantageParams, whose estimator options are
-# hybridflow.algos.EstimatorOptions): one default for YAML and compiled logic alike.
-WRITTEN_OPTIONS = ("gamma", "lam", "whiten", "norm_std")
-# The KL penalty in the reward that `ppo_loss(score, kl)` means when the logic gives no
-# kl_coef: this coefficient, adaptive toward this KL (the `ppo` preset's values).
-PPO_KL = {"kl_coef": 0.05, "kl_target": 0.1}
-GRPO_KL_COEF = 0.01  # KL as an actor loss term; the `grpo` preset uses the same value
 DEFAULT_GROUP_SIZE = 8  # samples per prompt for group estimators when generate says no n
 _ROLLOUT_OPTIONS = ("temperature", "top_p", "top_k", "max_new_tokens")
-_ACTOR_LOSS_OPTIONS = {
-    "clip_ratio": "clip_ratio_low",
-    "clip_ratio_low": "clip_ratio_low",
-    "clip_ratio_high": "clip_ratio_high",
-    "dual_clip_c": "dual_clip_c",
-    "entropy_coef": "entropy_coef",
-    "policy_loss": "policy_loss",
-    "loss_agg_mode": "loss_agg_mode",
-    "loss_norm_len": "loss_norm_len",
-}
 ARITH_OP = "hybridflow.pipeline.driver.expr:arith"
 SCORE_ADV_OP = "hybridflow.pipeline.driver.expr:ScoreAdvantages"
-
-
-@dataclass(frozen=True)
-class _Penalty:
-    """PPO: KL in the reward, inside the advantages op."""
-
-    kl: KL
-    kl_coef: float
-    kl_target: float | None  # None: a fixed coefficient
-
-
-@dataclass(frozen=True)
-class _LossKL:
-    """GRPO: KL as a term of the actor loss."""
-
-    kl: KL
-    coef: float
-
-
-@dataclass(frozen=True)
-class _Loss:
-    """The actor's policy loss, resolved: the estimator, its inputs and the KL's place."""
-
-    fn: str  # ppo_loss | grpo_loss
-    line: int
-    spec: EstimatorSpec
-    adv_params: dict[str, Scalar]
-    score: Value  # the reward score (or an Arith value derived from it)
-    values: Value | None  # critic values the estimator reads
-    implicit_values: bool  # the estimator needs values no logic line asked for
-    penalty: _Penalty | None = None
-    loss_kl: _LossKL | None = None
-    score_key: str = "rewards"  # the runtime value holding the scores
-    actor_options: dict[str, Scalar] = field(default_factory=dict)
-    critic_options: dict[str, Scalar] = field(default_factory=dict)
-
-    @property
-    def critic_update(self) -> bool:
-        """A critic that feeds the estimator learns from its returns."""
-        return self.spec.needs_values
 
 
 class _Lowering:
@@ -154,7 +78,7 @@ class _Lowering:
             1.0,
         )
         self.old_key = "old_logprobs" if truncated else "rollout_logprobs"
-        loss = self._policy_loss()
+        loss = resolve_loss(ir)
         group = loss is not None and loss.spec.needs_groups
         n = gen_opts.get("n")
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
@@ -202,149 +126,7 @@ class _Lowering:
             values={name: v.kind for name, v in ir.values.items()},
         )
 
-    # -- the policy loss, resolved --------------------------------------------------------
-    def _policy_loss(self) -> _Loss | None:
-        ir = self.ir
-        update = ir.call("actor", "update")
-        critic_call = ir.call("critic", "update")
-        if update is None:
-            if critic_call is not None:
-                raise CompileError(
-                    critic_call.line,
-                    "critic.update without actor.update: the critic only serves the policy",
-                )
-            return None
-        loss_value = ir.resolve(update.args[0])
-        apply = ir.definition(loss_value)
-        assert isinstance(apply, Apply)  # policy_loss values come from ppo_loss / grpo_loss
-        fn, args, opts = apply.fn, apply.args, dict(apply.options)
-        line = loss_value.line
-        shaping = {k: opts.pop(k) for k in SHAPING_OPTIONS if k in opts}
-        first = ir.resolve(args[0])
-        kl_value = ir.resolve(args[1]) if len(args) > 1 else None
-        values: Value | None = None
-        if first.kind == "advantages":
-            adv = ir.definition(first)
-            assert isinstance(adv, Apply) and adv.fn in ADVANTAGE_ESTIMATORS
-            spec = ADVANTAGE_ESTIMATORS[adv.fn]
-            adv_opts = dict(adv.options)
-            score = ir.resolve(adv.args[0])
-            if spec.needs_values:
-                values = ir.resolve(adv.args[1])
-            if "estimator" in opts:
-                raise ir.error(
-                    line, "estimator= conflicts with advantages computed on their own line"
-                )
-        else:
-            score = first
-            adv_opts = {k: opts.pop(k) for k in ESTIMATOR_OPTIONS if k in opts}
-            default = (
-                "grpo" if fn == "grpo_loss" else ("gae" if "critic" in ir.roles else "reinforce_pp")
-            )
-            estimator = str(opts.pop("estimator", default))
-            if estimator not in ADVANTAGE_ESTIMATORS:
-                raise ir.error(
-                    line,
-                    f"estimator= must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
-                    f"got {estimator!r}",
-                )
-            spec = ADVANTAGE_ESTIMATORS[estimator]
-        implicit_values = False
-        if spec.needs_values and values is None:
-            if "critic" not in ir.roles:
-                others = "/".join(
-                    repr(n) for n, s in ADVANTAGE_ESTIMATORS.items() if not s.needs_values
-                )
-                raise ir.error(
-                    line,
-                    f"{spec.name.upper()} needs a critic (df.add_critic); or use "
-                    f"estimator={others}",
-                )
-            values = next((v for v in ir.values.values() if v.kind == "values"), None)
-            implicit_values = values is None
-        unknown = [k for k in adv_opts if k not in spec.options]
-        if unknown:
-            raise ir.error(
-                line, f"option {unknown[0]}= does not apply to the {spec.name} estimator"
-            )
-        defaults = AdvantageParams()
-        written = {k: getattr(defaults, k) for k in spec.options if k in WRITTEN_OPTIONS}
-        adv_params: dict[str, Scalar] = {"estimator": spec.name, **written, **adv_opts}
-        if shaping.get("dynamic_sampling") and not spec.needs_groups:
-            raise ir.error(
-                line,
-                f"dynamic_sampling= drops groups whose rewards agree: the {spec.name} "
-                "estimator has no groups (use grpo_loss or a group estimator)",
-            )
-        adv_params |= shaping
-        # The score: the reward model's `rewards`, maybe penalised by KL, maybe derived.
-        penalty: _Penalty | None = None
-        loss_kl: _LossKL | None = None
-        score_def = ir.definition(score)
-        if isinstance(score_def, Penalty):
-            if kl_value is not None:
-                raise ir.error(
-                    line, "the score already carries a KL penalty; pass no KL to the loss"
-                )
-            coef = PPO_KL["kl_coef"] if score_def.coef is None else score_def.coef
-            penalty = _Penalty(self._kl(score_def.kl), float(coef), None)
-            score = ir.resolve(score_def.score)
-        elif kl_value is not None and fn == "ppo_loss":
-            kl_coef = self._number(line, "kl_coef", opts.pop("kl_coef", PPO_KL["kl_coef"]))
-            fixed = "kl_coef" in apply.options
-            penalty = _Penalty(self._kl(kl_value), kl_coef, None if fixed else PPO_KL["kl_target"])
-        elif kl_value is not None:  # grpo_loss: KL as a loss term of the actor
-            coef = self._number(line, "kl_coef", opts.pop("kl_coef", GRPO_KL_COEF))
-            loss_kl = _LossKL(self._kl(kl_value), coef)
-        score_key = "rewards"
-        score_def = ir.definition(score)
-        if isinstance(score_def, Arith):
-            score_key = score.name
-        elif score.kind != "score" or not isinstance(score_def, Call):
-            raise ir.error(line, f"{score.name} is not a reward score a loss can use")
-        for key in ("kl_coef", "kl_type"):
-            opts.pop(key, None)
-        actor_options = {
-            _ACTOR_LOSS_OPTIONS[k]: v for k, v in opts.items() if k in _ACTOR_LOSS_OPTIONS
-        }
-        critic_options: dict[str, Scalar] = {}
-        if critic_call is not None:
-            crit = ir.resolve(critic_call.args[0])
-            if not spec.needs_values:
-                raise ir.error(
-                    critic_call.line,
-                    f"critic.update learns from GAE returns, but the policy loss uses the "
-                    f"{spec.name} estimator; use gae(...) advantages or drop critic.update",
-                )
-            crit_def = ir.definition(crit)
-            if isinstance(crit_def, Apply) and "cliprange_value" in crit_def.options:
-                critic_options["cliprange_value"] = crit_def.options["cliprange_value"]
-        return _Loss(
-            fn=fn,
-            line=line,
-            spec=spec,
-            adv_params=adv_params,
-            score=score,
-            values=values,
-            implicit_values=implicit_values,
-            penalty=penalty,
-            loss_kl=loss_kl,
-            score_key=score_key,
-            actor_options=actor_options,
-            critic_options=critic_options,
-        )
-
-    def _number(self, line: int, name: str, value: Scalar) -> float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise self.ir.error(line, f"{name}= must be a number, got {value!r}")
-
-    def _kl(self, value: Value) -> KL:
-        d = self.ir.definition(self.ir.resolve(value))
-        assert isinstance(d, KL)  # kind `kl` values are made by KL only
-        return d
-
-    def _emitted_arith(self, loss: _Loss | None) -> list[Arith]:
+    def _emitted_arith(self, loss: PolicyLoss | None) -> list[Arith]:
         """Arith values that become driver ops: those the step reports and the score a
         loss reads, in line order."""
         ir = self.ir
@@ -353,7 +135,7 @@ class _Lowering:
             wanted.add(loss.score_key)
         return [a for a in ir.assigns.values() if isinstance(a, Arith) and a.result.name in wanted]
 
-    def _needed(self, loss: _Loss | None, arith: list[Arith]) -> set[str]:
+    def _needed(self, loss: PolicyLoss | None, arith: list[Arith]) -> set[str]:
         ir = self.ir
         need = {c.role for c in ir.calls if c.op != "update"}
         if ir.call("actor", "get_logprob") is not None:
@@ -374,7 +156,7 @@ class _Lowering:
                     need.add("actor_logprob")
         return need
 
-    def _training_ops(self, loss: _Loss, group: bool) -> list[OpConfig]:
+    def _training_ops(self, loss: PolicyLoss, group: bool) -> list[OpConfig]:
         ir = self.ir
         for key, value in loss.actor_options.items():
             self.opt("actor", **{key: value})
