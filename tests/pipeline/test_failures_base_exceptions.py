@@ -153,3 +153,28 @@ def test_a_driver_op_raising_system_exit_is_a_named_failure(topo_dict, tmp_path)
         "hybridflow: error: driver op tests.pipeline.failing_fns:exiting_driver failed at step 0"
     ), line
     assert "SystemExit: 7" in line, line
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_work_loop_in_a_stage_is_a_named_failure_not_a_silent_queue(topo_dict):
+    # The reward stage's work loop dies at its first task (its dispatcher raises): the
+    # stage reports it and stops, and the run ends naming the stage and the loop, long
+    # before the 60 s heartbeat bound (heartbeats would go on while tasks sit queued).
+    data = _with_reward_function(
+        _fast(topo_dict(steps=2)), "tests.pipeline.broken_work_loop:reward"
+    )
+    launcher, run_id = RecordingLauncher(), uuid.uuid4().hex[:12]
+    t0 = time.monotonic()
+    with pytest.raises(StageError) as info:
+        run_topology(load_topology(data), run_id=run_id, launcher=launcher)
+    took = time.monotonic() - t0
+    err = info.value
+    first = str(err).split("\n")[0]
+    assert (err.stage, err.replica) == ("reward", 0), first
+    assert first.startswith("stage reward replica 0 failed - its work loop died: RuntimeError: "), (
+        first
+    )
+    assert "the dispatcher is broken" in first, first
+    assert "broken_work_loop.py" in err.remote_traceback
+    assert took < 50, f"{took:.1f}s: the failure waited for a bound"  # heartbeat bound: 60 s
+    assert not leftovers(run_id, launcher.started)

@@ -21,6 +21,7 @@ import traceback
 from typing import Any
 
 from hybridflow.errors import PipelineError, StageError
+from hybridflow.pipeline.host.failures import LOOP
 from hybridflow.pipeline.plan.planner import Plan, ProcessInfo
 from hybridflow.pipeline.runtime.peers import StagePeer
 from hybridflow.pipeline.runtime.steps import Dispatch
@@ -39,12 +40,14 @@ def stopping(exc: BaseException) -> bool:
 
 
 def stage_failed(plan: Plan, peer: StagePeer, f: Failure) -> StageError:
-    """A stage's Failure message (its op raised, or its setup did)."""
-    where = (
-        "during setup"
-        if f.op == "setup"
-        else f"in {f.role}.{f.op} at step {f.step} micro-batch {f.mb_id}"
-    )
+    """A stage's Failure message (its op raised, its setup did, or a loop of the stage
+    host died: host/stage_process.py)."""
+    if f.op == "setup":
+        where = "during setup"
+    elif f.role == LOOP:
+        where = f"- its {f.op} loop died"
+    else:
+        where = f"in {f.role}.{f.op} at step {f.step} micro-batch {f.mb_id}"
     return StageError(
         f"stage {f.stage} replica {f.replica} failed {where}: {f.error_type}: {f.message}"
         + oom_hint(plan, peer.info, f.error_type),
