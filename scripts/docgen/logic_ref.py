@@ -16,7 +16,7 @@ reward_score = reward.score(prompt, response)
 ref_logprob = ref.get_logprob(prompt, response)
 actor_logprob = actor.get_logprob(prompt, response)
 kl_div = kl(actor_logprob, ref_logprob)
-loss = grpo_loss(reward_score, kl_div, kl_coef=0.05)
+loss = grpo_loss(reward_score, kl_div, kl_loss_coef=0.05)
 actor.update(loss)
 """
 
@@ -112,17 +112,29 @@ def render_logic() -> str:
         "## Algorithm functions",
         "",
         table(
-            ["function", "arguments (kinds)", "result", "options", "meaning"],
+            ["function", "arguments (kinds)", "result", "options", "older spellings", "meaning"],
             [
-                [code(name), _kinds(a.args), code(a.result), _names(a.options), cell(a.doc)]
+                [
+                    code(name),
+                    _kinds(a.args),
+                    code(a.result),
+                    _names(a.options),
+                    "<br>".join(f"{code(old)} = {code(new)}" for old, new in a.aliases.items()),
+                    cell(a.doc),
+                ]
                 for name, a in grammar.ALGORITHMS.items()
             ],
         ),
         "",
-        "Options of `ppo_loss` / `grpo_loss` that configure the update become actor options",
-        "(`clip_ratio_high`, `policy_loss`, `loss_agg_mode`, ...); estimator and shaping",
-        "options become the `advantages` op's params (see the",
-        "[topology reference](config.md#driver-ops)).",
+        "An option is named after the option it sets. Options of `ppo_loss` / `grpo_loss`",
+        "that configure the update are the actor's options of the same names ("
+        + ", ".join(code(o) for o in grammar.ACTOR_LOSS_OPTIONS)
+        + ");",
+        "`grpo_loss`'s KL term is the actor's `kl_loss_coef` / `kl_loss_type`, `ppo_loss`'s KL",
+        "penalty in the reward the `advantages` op's `kl_coef` / `kl_penalty` (a KL option",
+        "must agree with the KL argument's `kind`); estimator and shaping options become the",
+        "`advantages` op's params (see the [topology reference](config.md#driver-ops)). The",
+        "older spellings still compile to the same plan; giving both spellings is an error.",
         "",
         "## Refused constructs",
         "",

@@ -265,7 +265,8 @@ def _seq_calls(gen_params: dict) -> tuple[Call, ...]:
 @pytest.mark.parametrize(
     ("logic", "roles", "gen_params", "kl_estimator", "loss_fn", "loss_options"),
     [
-        (GRPO, NO_CRITIC, {"n": 8}, "k3", "grpo_loss", {"kl_coef": 0.01}),
+        # Options by the names they set: `kl_coef` is grpo_loss's old spelling.
+        (GRPO, NO_CRITIC, {"n": 8}, "k3", "grpo_loss", {"kl_loss_coef": 0.01}),
         (SEED, ALL, {}, "k1", "ppo_loss", {}),  # `actor_logprob - ref_logprob` folds to KL
     ],
     ids=["grpo", "ppo"],

@@ -51,6 +51,7 @@ from hybridflow.pipeline.compiler.grammar import (
     KINDS,
     ROLE_METHODS,
     ROLES,
+    Algorithm,
     LogicParser,
     Stmt,
     logic_name,
@@ -237,24 +238,39 @@ class _Checker:
         if st.target is None:
             raise self.err(st, f"the result of {st.method}(...) is dropped; assign it to a name")
         args = self._match(st, f"{st.method}(...)", algo.args)
-        opts = dict(st.kwargs)
-        bad = [k for k in opts if k not in algo.options]
-        if bad:
-            raise self.err(
-                st, f"{st.method}() has no option {bad[0]!r}; options: {', '.join(algo.options)}"
-            )
+        opts = self._options(st, algo)
         if st.method == "kl":
             estimator = _kl_kind(self, st, opts.get("kind", "k3"))
             self._bind(KL(st.line, args[0], args[1], estimator, self._new(st, algo.result)))
             return
         result = self._new(st, algo.result)
         if st.method == "kl_penalty":
-            coef = opts.get("coef")
+            coef = opts.get("kl_coef")
             if coef is not None and _number_option(coef) is None:
-                raise self.err(st, f"kl_penalty(): coef= must be a number, got {coef!r}")
+                raise self.err(st, f"kl_penalty(): kl_coef= must be a number, got {coef!r}")
             self._bind(Penalty(st.line, args[0], args[1], _number_option(coef), result))
         else:
             self._bind(Apply(st.line, st.method, tuple(args), result, opts))
+
+    def _options(self, st: Stmt, algo: Algorithm) -> dict[str, Scalar]:
+        """The keyword options of an algorithm call by the names they set (an older
+        spelling resolved to its option); CompileError for an unknown one or one given
+        twice under two spellings."""
+        out: dict[str, Scalar] = {}
+        spelled: dict[str, str] = {}
+        for key, value in st.kwargs:
+            name = algo.option(key)
+            if not name:
+                raise self.err(
+                    st,
+                    f"{st.method}() has no option {key!r}; options: {', '.join(algo.options)}",
+                )
+            if name in out:
+                raise self.err(
+                    st, f"{spelled[name]}= and {key}= set the same option ({name}); give it once"
+                )
+            out[name], spelled[name] = value, key
+        return out
 
     def _arith(self, st: Stmt) -> None:
         assert st.expr is not None

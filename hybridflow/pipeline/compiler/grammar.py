@@ -7,6 +7,8 @@ Tables (the ONE place that names things):
                 hybridflow.config.stages' ROLE_NAMES
   ROLE_METHODS  role.method(...) calls: accepted argument kinds, result kind, options
   ALGORITHMS    algorithm functions: accepted argument kinds, result kind, options
+                (named after the actor / `advantages` op option each sets; older
+                spellings kept as aliases)
                 (the advantage estimators among them come from hybridflow.algos'
                 ADVANTAGE_ESTIMATORS: one function per estimator, its options)
 Parser: `parse_logic(text)` -> `Stmt`s, one per line, or a CompileError naming the line
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 import ast
 import textwrap
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS
 from hybridflow.config.fields import METADATA, PROMPT_FIELDS, RESPONSE_FIELDS
@@ -102,20 +105,36 @@ class Algorithm:
     result: str
     options: tuple[str, ...]
     doc: str
+    # Older spellings still accepted: alias -> the option it means (documented in the
+    # step-logic reference; giving both is an error).
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    def option(self, name: str) -> str:
+        """The option a keyword means (an alias resolved); "" for none."""
+        name = self.aliases.get(name, name)
+        return name if name in self.options else ""
 
 
-_LOSS_OPTIONS = (
-    "clip_ratio",
+# Loss options are named after the option they set, so the logic, the YAML and the
+# reference speak one vocabulary: the actor's options of the same names ...
+ACTOR_LOSS_OPTIONS = (
     "clip_ratio_low",
     "clip_ratio_high",
     "dual_clip_c",
     "entropy_coef",
-    "kl_coef",
-    "kl_type",
-    "policy_loss",  # ppo | gspo | cispo: hybridflow.algos.POLICY_LOSSES (an actor option)
-    "loss_agg_mode",  # an actor option; seq-mean-token-sum-norm also needs loss_norm_len
+    "policy_loss",  # ppo | gspo | cispo: hybridflow.algos.POLICY_LOSSES
+    "loss_agg_mode",  # seq-mean-token-sum-norm also needs loss_norm_len
     "loss_norm_len",
 )
+# ... and the KL's: ppo_loss's KL is a penalty in the reward (the `advantages` op's
+# kl_coef and kl_penalty), grpo_loss's a term of the actor loss (the actor's kl_loss_coef
+# and kl_loss_type). A KL option must agree with the KL argument it applies to.
+PPO_KL_OPTIONS = ("kl_coef", "kl_penalty")
+GRPO_KL_OPTIONS = ("kl_loss_coef", "kl_loss_type")
+# The spellings before the options took those names.
+_LOSS_ALIASES = {"clip_ratio": "clip_ratio_low"}
+PPO_ALIASES = {**_LOSS_ALIASES, "kl_type": "kl_penalty"}
+GRPO_ALIASES = {**_LOSS_ALIASES, "kl_coef": "kl_loss_coef", "kl_type": "kl_loss_type"}
 # DAPO's reward shaping and dynamic sampling's filter: params of the `advantages` op.
 SHAPING_OPTIONS = (
     "dynamic_sampling",
@@ -132,15 +151,23 @@ ALGORITHMS: dict[str, Algorithm] = {
     "ppo_loss": Algorithm(
         (("score",), ("score", "kl"), ("advantages",), ("advantages", "kl")),
         "policy_loss",
-        (*_LOSS_OPTIONS, *SHAPING_OPTIONS, "estimator", *ESTIMATOR_OPTIONS),
+        (*ACTOR_LOSS_OPTIONS, *PPO_KL_OPTIONS, *SHAPING_OPTIONS, "estimator", *ESTIMATOR_OPTIONS),
         "PPO clip loss; from a score it estimates advantages (GAE with a critic, else "
         "`estimator`); a KL argument becomes a penalty in the reward",
+        PPO_ALIASES,
     ),
     "grpo_loss": Algorithm(
         (("score",), ("score", "kl")),
         "policy_loss",
-        (*_LOSS_OPTIONS, *SHAPING_OPTIONS, *ADVANTAGE_ESTIMATORS["grpo"].options, "estimator"),
+        (
+            *ACTOR_LOSS_OPTIONS,
+            *GRPO_KL_OPTIONS,
+            *SHAPING_OPTIONS,
+            *ADVANTAGE_ESTIMATORS["grpo"].options,
+            "estimator",
+        ),
         "PPO clip loss on group-normalised advantages; a KL argument becomes a loss term",
+        GRPO_ALIASES,
     ),
     # One function per advantage estimator: `advantages = gae(score, values)`, `grpo(score)`.
     **{
@@ -154,7 +181,11 @@ ALGORITHMS: dict[str, Algorithm] = {
     },
     "kl": Algorithm((("actor_logprob", "ref_logprob"),), "kl", ("kind",), "per-token KL estimate"),
     "kl_penalty": Algorithm(
-        (("score", "kl"),), "score", ("coef",), "the reward minus coef * KL (PPO penalty)"
+        (("score", "kl"),),
+        "score",
+        ("kl_coef",),
+        "the reward minus kl_coef * KL (PPO penalty)",
+        {"coef": "kl_coef"},
     ),
     "value_loss": Algorithm(
         (("values", "advantages"), ("advantages",)),
@@ -329,7 +360,7 @@ class LogicParser:
                 raise self.error(
                     node,
                     "a constant alone is not a dataflow value; use numbers inside arithmetic "
-                    "or as keyword options (e.g. ppo_loss(score, kl_coef=0.05))",
+                    "or as keyword options (e.g. ppo_loss(score, kl, kl_coef=0.05))",
                 )
             if isinstance(value, ast.Attribute):
                 raise self.error(node, "attributes are only allowed as role.method(...) calls")

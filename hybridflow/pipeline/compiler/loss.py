@@ -19,8 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridflow.algos.advantages import ADVANTAGE_ESTIMATORS, EstimatorSpec
+from hybridflow.algos.kl import KL_ALIASES, KL_KINDS
 from hybridflow.errors import CompileError
-from hybridflow.pipeline.compiler.grammar import ESTIMATOR_OPTIONS, SHAPING_OPTIONS
+from hybridflow.pipeline.compiler.grammar import (
+    ACTOR_LOSS_OPTIONS,
+    ESTIMATOR_OPTIONS,
+    GRPO_KL_OPTIONS,
+    PPO_KL_OPTIONS,
+    SHAPING_OPTIONS,
+)
 from hybridflow.pipeline.compiler.ir import KL, Apply, Arith, Call, Penalty, Scalar, StepIR, Value
 from hybridflow.pipeline.driver.rl_ops import AdvantageParams
 
@@ -33,17 +40,6 @@ WRITTEN_OPTIONS = ("gamma", "lam", "whiten", "norm_std")
 # kl_coef: this coefficient, adaptive toward this KL (the `ppo` preset's values).
 PPO_KL = {"kl_coef": 0.05, "kl_target": 0.1}
 GRPO_KL_COEF = 0.01  # KL as an actor loss term; the `grpo` preset uses the same value
-# Loss options that are the actor's (logic name -> actor option).
-ACTOR_LOSS_OPTIONS = {
-    "clip_ratio": "clip_ratio_low",
-    "clip_ratio_low": "clip_ratio_low",
-    "clip_ratio_high": "clip_ratio_high",
-    "dual_clip_c": "dual_clip_c",
-    "entropy_coef": "entropy_coef",
-    "policy_loss": "policy_loss",
-    "loss_agg_mode": "loss_agg_mode",
-    "loss_norm_len": "loss_norm_len",
-}
 
 
 @dataclass(frozen=True)
@@ -116,9 +112,8 @@ def resolve_loss(ir: StepIR) -> PolicyLoss | None:
     est = _estimator(ir, apply, opts, line)
     values, implicit_values = _critic_values(ir, est, line)
     adv_params = _advantage_params(ir, est, shaping, line)
-    score, penalty, loss_kl = _kl_place(ir, apply, est.score, kl_value, opts, line)
-    for key in ("kl_coef", "kl_type"):
-        opts.pop(key, None)
+    kl_opts = {k: opts.pop(k) for k in (*PPO_KL_OPTIONS, *GRPO_KL_OPTIONS) if k in opts}
+    score, penalty, loss_kl = _kl_place(ir, apply, est.score, kl_value, kl_opts, line)
     return PolicyLoss(
         fn=apply.fn,
         line=line,
@@ -130,9 +125,7 @@ def resolve_loss(ir: StepIR) -> PolicyLoss | None:
         penalty=penalty,
         loss_kl=loss_kl,
         score_key=_score_key(ir, score, line),
-        actor_options={
-            ACTOR_LOSS_OPTIONS[k]: v for k, v in opts.items() if k in ACTOR_LOSS_OPTIONS
-        },
+        actor_options={k: v for k, v in opts.items() if k in ACTOR_LOSS_OPTIONS},
         critic_options=_critic_options(ir, critic_call, est.spec),
     )
 
@@ -202,13 +195,21 @@ def _kl_place(
     apply: Apply,
     score: Value,
     kl_value: Value | None,
-    opts: dict[str, Scalar],
+    kl_opts: dict[str, Scalar],
     line: int,
 ) -> tuple[Value, RewardPenalty | None, LossKL | None]:
     """Where the KL goes: a penalty the score already carries (`score - c * kl`), a
     penalty in the reward (ppo_loss's KL argument: adaptive unless kl_coef= fixes it),
-    or a term of the actor loss (grpo_loss's). -> (the score before any penalty, ...)."""
+    or a term of the actor loss (grpo_loss's). `kl_opts` are the loss's KL options
+    (grammar.PPO_KL_OPTIONS / GRPO_KL_OPTIONS). -> (the score before any penalty, ...)."""
     score_def = ir.definition(score)
+    if kl_opts and kl_value is None:
+        key = next(iter(kl_opts))
+        if isinstance(score_def, Penalty):
+            why = f"{score.name} already carries its KL penalty: set its coefficient there"
+        else:
+            why = f"this loss has none; pass the KL: {apply.fn}(score, kl, {key}=...)"
+        raise ir.error(line, f"{key}= applies to the loss's KL argument, and {why}")
     if isinstance(score_def, Penalty):
         if kl_value is not None:
             raise ir.error(line, "the score already carries a KL penalty; pass no KL to the loss")
@@ -217,12 +218,31 @@ def _kl_place(
         return ir.resolve(score_def.score), penalty, None
     if kl_value is None:
         return score, None, None
+    kl = _kl(ir, kl_value)
     if apply.fn == "ppo_loss":
-        kl_coef = _number(ir, line, "kl_coef", opts.pop("kl_coef", PPO_KL["kl_coef"]))
-        target = None if "kl_coef" in apply.options else PPO_KL["kl_target"]
-        return score, RewardPenalty(_kl(ir, kl_value), kl_coef, target), None
-    coef = _number(ir, line, "kl_coef", opts.pop("kl_coef", GRPO_KL_COEF))
-    return score, None, LossKL(_kl(ir, kl_value), coef)
+        _same_kind(ir, line, "kl_penalty", kl_opts, kl)
+        kl_coef = _number(ir, line, "kl_coef", kl_opts.get("kl_coef", PPO_KL["kl_coef"]))
+        target = None if "kl_coef" in kl_opts else PPO_KL["kl_target"]
+        return score, RewardPenalty(kl, kl_coef, target), None
+    _same_kind(ir, line, "kl_loss_type", kl_opts, kl)
+    coef = _number(ir, line, "kl_loss_coef", kl_opts.get("kl_loss_coef", GRPO_KL_COEF))
+    return score, None, LossKL(kl, coef)
+
+
+def _same_kind(ir: StepIR, line: int, key: str, kl_opts: dict[str, Scalar], kl: KL) -> None:
+    """A KL-kind option of the loss must name the KL argument's own estimator."""
+    if key not in kl_opts:
+        return
+    given = kl_opts[key]
+    kind = KL_ALIASES.get(given, given) if isinstance(given, str) else given
+    if kind not in KL_KINDS:
+        raise ir.error(line, f"{key}= must be one of {', '.join(KL_KINDS)}, got {given!r}")
+    if kind != kl.estimator:
+        raise ir.error(
+            line,
+            f"{key}={given!r} disagrees with {kl.result.name}, a {kl.estimator} KL (line "
+            f"{kl.line}); choose the estimator where the KL is made: kl(..., kind=...)",
+        )
 
 
 def _score_key(ir: StepIR, score: Value, line: int) -> str:
