@@ -31,7 +31,8 @@ from hybridflow.config.schema import load_topology
 from hybridflow.errors import ConfigError
 from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.pipeline.runtime.runner import run_topology
-from hybridflow.pipeline.runtime.session import _ipc_dir, sweep_stale_ipc_dirs
+from hybridflow.pipeline.runtime.stage_specs import ipc_dir as _ipc_dir
+from hybridflow.pipeline.runtime.stage_specs import sweep_stale_ipc_dirs
 from hybridflow.transport import protocol, shm
 from hybridflow.transport.protocol import (
     Heartbeat,

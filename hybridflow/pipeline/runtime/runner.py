@@ -58,13 +58,13 @@ from hybridflow.pipeline.plan.planner import (
 )
 from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.launcher import Launcher
-from hybridflow.pipeline.runtime.session import STAGE_ENTRY, Session, places_hosts, run_dir_of
+from hybridflow.pipeline.runtime.session import Session, run_dir_of
+from hybridflow.pipeline.runtime.stage_specs import places_hosts
 from hybridflow.pipeline.runtime.training import run_training
 from hybridflow.pipeline.runtime.validation import Validator
 from hybridflow.pipeline.runtime.watch.rundir_lock import lock_dirs
 
 __all__ = [
-    "STAGE_ENTRY",
     "checkpoint_dir",
     "cli_run",
     "cli_validate",

@@ -1,7 +1,8 @@
 """A session: the stage processes of one topology, kept up across jobs until `close()`.
 
     Session(launch plan)          nothing runs yet; the event loop, run id and ipc dir exist
-      .run_job(plan of job 1)     bind the ROUTER, launch one process per stage replica,
+      .run_job(plan of job 1)     bind the ROUTER, launch one process per stage replica
+                                  (what each is started with: stage_specs.py),
                                   handshake (every process is checked against the LAUNCH
                                   plan's config hash), then coordinate the job's steps
       .run_job(plan of job 2)     same processes, same socket and peers; a new Coordinator
@@ -37,16 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import enum
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
-import stat
-import tempfile
 import threading
 import uuid
 import weakref
@@ -57,29 +54,25 @@ from typing import Any
 
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import Topology
-from hybridflow.errors import ConfigError, PipelineError
+from hybridflow.errors import PipelineError
 from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer
-from hybridflow.pipeline.host.weight_sync import endpoints
 from hybridflow.pipeline.observe.metrics import MetricsSink, make_sinks
 from hybridflow.pipeline.plan.planner import Plan
 from hybridflow.pipeline.plan.weight_links import describe_links
 from hybridflow.pipeline.runtime.coordinator import Coordinator, RunResult, shutdown_peers
-from hybridflow.pipeline.runtime.launcher import (
-    LAUNCHER_RENDEZVOUS,
-    Launcher,
-    LocalLauncher,
-    ProcessExit,
-    ProcessSpec,
-)
+from hybridflow.pipeline.runtime.launcher import Launcher, LocalLauncher, ProcessExit
 from hybridflow.pipeline.runtime.peers import StagePeer
+from hybridflow.pipeline.runtime.stage_specs import (
+    ipc_dir,
+    place_on_hosts,
+    places_hosts,
+    stage_specs,
+)
 from hybridflow.pipeline.sources.registry import DataSource, create_source
 from hybridflow.transport import aio, auth, curve, shm
 from hybridflow.transport.channel import Channel
-from hybridflow.transport.liveness import pid_alive
 
 log = logging.getLogger("hybridflow.session")
-
-STAGE_ENTRY = "hybridflow.pipeline.host.stage_process:main"
 
 
 class SessionState(enum.Enum):
@@ -133,27 +126,6 @@ class _Live:
                     self.runner.close()
 
 
-def places_hosts(launcher: object) -> bool:
-    """Whether `launcher` puts processes on named hosts (a multi-host launcher)."""
-    return callable(getattr(launcher, "assign_nodes", None))
-
-
-def place_on_hosts(plan: Plan, launcher: object) -> None:
-    """Hand the plan's process -> host map (`stages.<s>.hosts`) to a multi-host launcher;
-    a host name with a launcher that only starts local processes is a ConfigError."""
-    nodes = plan.nodes()
-    if places_hosts(launcher):
-        launcher.assign_nodes(nodes)  # type: ignore[attr-defined]
-        return
-    if nodes:
-        name, host = next(iter(nodes.items()))
-        raise ConfigError(
-            f"stages.{name.split('/')[0]}.hosts",
-            f"puts {name} on host {host!r}: processes on other hosts need a multi-host "
-            "launcher (hybridflow run --launcher ray); drop the host to run here",
-        )
-
-
 class Session:
     """Stage processes of `plan` (launched by the first job) and the jobs run on them."""
 
@@ -177,7 +149,7 @@ class Session:
             run_id=self.run_id,
             launcher=launcher,
             runner=asyncio.Runner(loop_factory=aio.loop_factory()),
-            ipc_dir=_ipc_dir(self.topo, self.run_id),
+            ipc_dir=ipc_dir(self.topo, self.run_id),
             shutdown_timeout_s=self.topo.liveness.shutdown_timeout_s,
             secret=auth.new_secret(),
             peers={p.name.encode(): StagePeer(p) for p in plan.processes},
@@ -308,24 +280,13 @@ class Session:
     ) -> RunResult:
         live = self._live
         launch = live.chan is None
-        if launch:
-            t = self.topo.transport
-            endpoint = f"ipc://{live.ipc_dir}/coordinator" if live.ipc_dir else f"tcp://{t.host}:0"
-            live.chan = Channel(
-                "router",
-                endpoint,
-                bind=True,
-                gated=True,  # nothing of a stage is acted on before its Hello proof
-                name="coordinator",
-                run_id=self.run_id,
-                hwm=t.hwm,
-                shm_threshold=t.shm_threshold,
-                curve_keys=live.curve.for_server() if live.curve is not None else None,
-            )
+        if live.chan is None:
+            live.chan = self._bind()
+        chan = live.chan
         source = given_source or create_source(plan.topology.data, plan.topology.seed)
         coord = Coordinator(
             plan,
-            live.chan,
+            chan,
             live.launcher,
             source,
             sinks,
@@ -342,28 +303,50 @@ class Session:
         try:
             with _cancel_on_sigterm(terminated):
                 if launch:
-                    self.state = SessionState.UP
-                    listeners: list[socket.socket] = []
-                    try:
-                        live.launcher.start(
-                            _specs(
-                                self.plan,
-                                self.run_id,
-                                live.chan.endpoint,
-                                self.resume_dir,
-                                secret=live.secret,
-                                listeners=listeners,
-                                curve_keys=live.curve,
-                                bind_rendezvous=not places_hosts(live.launcher),
-                            )
-                        )
-                    finally:  # the sending processes hold their own copies now
-                        for sock in listeners:
-                            sock.close()
+                    self._launch(chan.endpoint)
                 return await coord.run()
         finally:
             if given_source is None:
                 source.close()
+
+    def _bind(self) -> Channel:
+        """The coordinator's ROUTER socket, bound (the first job's; later jobs reuse it)."""
+        live, t = self._live, self.topo.transport
+        endpoint = f"ipc://{live.ipc_dir}/coordinator" if live.ipc_dir else f"tcp://{t.host}:0"
+        return Channel(
+            "router",
+            endpoint,
+            bind=True,
+            gated=True,  # nothing of a stage is acted on before its Hello proof
+            name="coordinator",
+            run_id=self.run_id,
+            hwm=t.hwm,
+            shm_threshold=t.shm_threshold,
+            curve_keys=live.curve.for_server() if live.curve is not None else None,
+        )
+
+    def _launch(self, endpoint: str) -> None:
+        """One process per stage replica of the launch plan (stage_specs.py)."""
+        live = self._live
+        self.state = SessionState.UP
+        listeners: list[socket.socket] = []
+        try:
+            live.launcher.start(
+                stage_specs(
+                    self.plan,
+                    self.run_id,
+                    endpoint,
+                    self.resume_dir,
+                    run_dir=run_dir_of(self.plan.topology),
+                    secret=live.secret,
+                    listeners=listeners,
+                    curve_keys=live.curve,
+                    bind_rendezvous=not places_hosts(live.launcher),
+                )
+            )
+        finally:  # the sending processes hold their own copies now
+            for sock in listeners:
+                sock.close()
 
 
 # ---------------------------------------------------------------------------------------
@@ -383,116 +366,6 @@ def _processes_of(topo: Topology) -> dict[str, Any]:
 def _links(topo: Topology, roles: set[str]) -> list[Any]:
     """The stage-to-stage weight links of `topo` that start at one of `roles`."""
     return [link for link in describe_links(topo) if str(link["from"]).split(" ", 1)[0] in roles]
-
-
-def _specs(
-    plan: Plan,
-    run_id: str,
-    endpoint: str,
-    resume_dir: str | None = None,
-    *,
-    secret: bytes,
-    listeners: list[socket.socket],
-    curve_keys: curve.RunKeys | None = None,
-    bind_rendezvous: bool = True,
-) -> list[ProcessSpec]:
-    """One spec per stage replica. `secret` (and each process's CurveZMQ keys) travels
-    in the payload (the launcher's stdin pipe: never argv, env or a file). Listening sockets for the weight links are appended
-    to `listeners`: close them once the processes started (they inherited theirs)."""
-    topo_data = to_dict(plan.topology)
-    host = plan.topology.transport.host
-    # Replicas of one stage are ranks of one group (FSDP): give them a rendezvous address
-    # so roles never pick ports themselves. Its socket is bound here and kept listening;
-    # replica 0 inherits it and its TCPStore adopts it (`init_listen_fd`), so no other
-    # process can take the port in between (no bind-close-rebind).
-    # A multi-host launcher binds it on rank 0's node instead (`bind_rendezvous=False`).
-    init: dict[str, tuple[str, int]] = {}
-    for stage, n in plan.replicas.items():
-        if n > 1 and not bind_rendezvous:
-            init[stage] = (LAUNCHER_RENDEZVOUS, -1)
-        elif n > 1:
-            sock = socket.create_server((host, 0), backlog=128)
-            listeners.append(sock)
-            init[stage] = (f"tcp://{host}:{sock.getsockname()[1]}", sock.fileno())
-    # Stage-to-stage weight links (disaggregated reshard): one endpoint per sending role.
-    weight_sync = endpoints(plan.topology, endpoint, listeners)
-    specs = []
-    for p in plan.processes:
-        links: dict[str, dict[str, Any]] = {}
-        fds: list[int] = []
-        for source, spec in weight_sync.items():
-            mine = spec["stage"] == p.stage and p.replica == 0  # the sending replica
-            links[source] = {k: v for k, v in spec.items() if mine or not k.endswith("_fd")}
-            fds += [v for k, v in spec.items() if mine and k.endswith("_fd")]
-        init_method, init_fd = init.get(p.stage, ("", -1))
-        if p.replica == 0 and init_fd >= 0:
-            fds.append(init_fd)
-        payload = {
-            "topology": copy.deepcopy(topo_data),  # each its own: launchers may edit
-            "stage": p.stage,
-            "replica": p.replica,
-            "endpoint": endpoint,
-            "run_id": run_id,
-            "run_dir": str(run_dir_of(plan.topology)),
-            "parent_pid": os.getpid(),
-            "init_method": init_method,
-            "init_listen_fd": init_fd if p.replica == 0 else -1,
-            "resume_dir": resume_dir or "",
-            "weight_sync": links,
-            "secret": secret.hex(),
-        }
-        if curve_keys is not None:  # the child's bootstrap installs and removes them
-            payload["curve"] = curve_keys.for_process(p.name).to_payload()
-        specs.append(
-            ProcessSpec(
-                name=p.name,
-                target=STAGE_ENTRY,
-                payload=payload,
-                title=f"hf-{p.stage}-{p.replica}",
-                pass_fds=tuple(fds),
-            )
-        )
-    return specs
-
-
-def _ipc_dir(topo: Topology, run_id: str) -> str | None:
-    if topo.transport.protocol != "ipc":
-        return None
-    base = topo.transport.ipc_dir or None
-    if base:
-        Path(base).mkdir(parents=True, exist_ok=True)
-    sweep_stale_ipc_dirs(base)
-    # The owner's pid is in the name: a coordinator killed with SIGKILL cannot remove its
-    # directory, the next session (here) does once that pid is gone.
-    return tempfile.mkdtemp(prefix=f"hf-{run_id[:8]}-p{os.getpid()}-", dir=base)
-
-
-_IPC_DIR_NAME = re.compile(r"^hf-[0-9A-Za-z_]{1,8}-p(\d+)-[0-9A-Za-z_]+$")
-
-
-def sweep_stale_ipc_dirs(base: str | None = None) -> list[str]:
-    """Remove the ipc directories (`hf-<run>-p<pid>-*`, ours only) whose coordinator pid is
-    no longer running; never one of a live process. -> the paths removed."""
-    base = base or tempfile.gettempdir()
-    removed = []
-    try:
-        entries = os.listdir(base)
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _IPC_DIR_NAME.match(entry)
-        if m is None or pid_alive(int(m.group(1))):
-            continue
-        path = os.path.join(base, entry)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-            log.info("removed stale ipc directory %s (pid %s is gone)", path, m.group(1))
-    return removed
 
 
 def _no_running_loop() -> bool:
