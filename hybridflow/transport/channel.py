@@ -143,7 +143,7 @@ class Channel(RecvPath):
         if listen_fd >= 0:
             # A TCP socket the launcher bound and listens on (the kernel picked the port and
             # it was never released): ZeroMQ adopts it, so no other process can take the
-            # port between the choice and this bind (weight links, session.py).
+            # port between the choice and this bind (a weight link: runtime/stage_specs.py).
             self._sock.setsockopt(zmq.USE_FD, listen_fd)
         # CurveZMQ on TCP when the run has keys (transport/curve.py): given here (the
         # coordinator), else the process's own (a stage: installed by its bootstrap).
