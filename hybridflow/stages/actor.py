@@ -165,6 +165,8 @@ class Actor(ShardedModelRole, RoleBase):
 
     options_cls = ActorOptions  # checked at plan time too (pipeline/plan/planner.py)
     trainable = True
+    sends_weights = True
+    exports_policy = True
 
     def __init__(self) -> None:
         self.opts: ActorOptions | None = None
@@ -435,7 +437,7 @@ class Actor(ShardedModelRole, RoleBase):
     def reshard(self, version: Any = None) -> Metrics:
         assert self.opts is not None
         target = self.ctx.colocated.get(self.opts.rollout_role)
-        if target is None or not hasattr(target, "update_weights"):
+        if target is None or not type(target).receives_weights:
             raise BatchError(
                 f"actor.reshard: no colocated rollout role {self.opts.rollout_role!r} with "
                 f"update_weights (colocated: {sorted(self.ctx.colocated)}); with the rollout "

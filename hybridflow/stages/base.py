@@ -113,9 +113,17 @@ def backend_names(role_kind: str) -> list[str]:
 def create_role(role_kind: str, backend: str) -> Role:
     """Instantiate the registered backend. Unknown names raise KeyError (config validation
     reports them with the dotted key before any process starts)."""
+    instance: Role = backend_class(role_kind, backend)()
+    return instance
+
+
+def backend_class(role_kind: str, backend: str) -> type[Any]:
+    """The registered backend's class, imported, not constructed (what the runtime asks
+    about a role: its ops and capabilities, stages/contract.py). Unknown: KeyError."""
     target = BACKENDS.get((role_kind, backend)) or BACKENDS.get(("*", backend))
     if target is None:
         raise KeyError(
             f"no backend {backend!r} for role {role_kind!r}; known: {backend_names(role_kind)}"
         )
-    return load_attr(target, f"{role_kind}.backend")()
+    cls: type[Any] = load_attr(target, f"{role_kind}.backend")
+    return cls

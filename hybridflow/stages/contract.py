@@ -133,6 +133,15 @@ class RoleBase:
     # Holds weights an optimizer updates: its replicas must be the ranks of one sharded
     # model (stages/parallel/), never independent copies that would train apart.
     trainable: ClassVar[bool] = False
+    # What the runtime may ask of a role, declared by its class: the stage host, the
+    # checkpoints and the plan read these instead of probing with hasattr or guessing
+    # from a role's name.
+    sends_weights: ClassVar[bool] = False  # `weight_buckets()` and `version`: a reshard source
+    receives_weights: ClassVar[bool] = False  # `update_weights()`, `load_bucket()`: a rollout
+    exports_policy: ClassVar[bool] = False  # its model is the run's policy: a checkpoint's
+    # export and the weights a resumed rollout loads (`policy_weights`)
+    is_sharded: bool = False  # the ranks of one FSDP model (set up: stages/parallel/role.py)
+    writes_shards: bool = False  # checkpointed through save_shards/load_shards (trainers)
     _ready: bool = False  # set when `setup` returns, cleared when `close` starts
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

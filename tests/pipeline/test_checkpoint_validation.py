@@ -31,10 +31,11 @@ from hybridflow.pipeline.checkpoint.resume import read_meta
 from hybridflow.pipeline.checkpoint.stage import policy_weights, save_stage
 from hybridflow.pipeline.checkpoint.tree import read_state
 from hybridflow.pipeline.runtime.runner import resume_point
+from hybridflow.stages.contract import RoleBase
 from hybridflow.stages.parallel import checkpoint as shard_ckpt
 
 
-class Trainer:
+class Trainer(RoleBase):
     """Stands for a trainer role: state JSON + tensors, and DCP weight shards."""
 
     writes_shards = True
@@ -57,7 +58,7 @@ class Trainer:
         self.state = state
 
 
-class Plain:
+class Plain(RoleBase):
     def state_dict(self) -> dict[str, Any]:
         return {"seen": 5}
 
@@ -75,9 +76,8 @@ def _save(save_dir: Path, step: int) -> Path:
     c = Checkpointer(CheckpointConfig(str(save_dir), save_interval=1), last_step=10)
     tmp = c.begin(step)
     roles = {"rollout": Plain(), "actor": Trainer(), "reference": Plain()}
-    kinds = {name: name for name in roles}
-    save_stage(roles, kinds, tmp, "engine", 0)
-    save_stage({"reward": Plain()}, {"reward": "reward"}, tmp, "reward", 0)
+    save_stage(roles, tmp, "engine", 0)
+    save_stage({"reward": Plain()}, tmp, "reward", 0)
     return c.commit(tmp, c.meta(step, topo, policy_version=step + 1))
 
 

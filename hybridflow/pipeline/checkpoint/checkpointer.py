@@ -26,6 +26,7 @@ from hybridflow.config.schema import CheckpointConfig
 from hybridflow.errors import ConfigError, PipelineError
 from hybridflow.pipeline.checkpoint.layout import FORMAT, PREFIX, TMP, list_checkpoints
 from hybridflow.pipeline.checkpoint.tree import read_state, write_state, writing
+from hybridflow.stages.base import backend_class
 
 
 def save_drivers(drivers: Mapping[int, Any], root: Path) -> None:
@@ -73,7 +74,7 @@ class Checkpointer:
                 {"stage": stage, "role": role}
                 for stage, cfg in topo.stages.items()
                 for role, rc in cfg.roles.items()
-                if (rc.kind or role) == "actor"
+                if backend_class(rc.kind or role, rc.backend).exports_policy
             ),
             None,
         )

@@ -99,26 +99,22 @@ def seed_process(seed: int) -> None:
 # A stage's roles
 
 
-def _writes_shards(role: Any) -> bool:
-    return bool(getattr(role, "writes_shards", False))
-
-
 def save_stage(
     roles: Mapping[str, Any],
-    kinds: Mapping[str, str],
     root: Path,
     stage: str,
     replica: int,
     export: str = "",
 ) -> dict[str, float]:
     """Write this process's part of a checkpoint under `root` (the temporary directory).
-    `export`: a directory to write the actor's model with save_pretrained (replica 0)."""
+    `export`: a directory to write the policy into with save_pretrained: the model of
+    the role whose class `exports_policy` (the actor), written by replica 0."""
     t0 = time.perf_counter()
     out = stage_dir(root, stage, replica)
     out.mkdir(parents=True, exist_ok=True)
     nbytes = 0
     for name, role in roles.items():
-        if _writes_shards(role):  # collective over the role's ranks
+        if role.writes_shards:  # collective over the role's ranks
             shards = shard_dir(root, stage, name)
             write_state(role.save_shards(shards), out, f"{name}.shards")
             nbytes += sum(
@@ -129,39 +125,21 @@ def save_stage(
         nbytes += blob.stat().st_size if blob.is_file() else 0
     write_state(rng_state(), out, "rng")
     if export:
-        for name, role in roles.items():
-            if kinds.get(name) != "actor":
-                continue
-            if callable(getattr(role, "export_pretrained", None)):
+        for role in roles.values():
+            if type(role).exports_policy:
                 role.export_pretrained(Path(export), write=replica == 0)  # collective
-            elif replica == 0:
-                _export(role, Path(export))
     return {"checkpoint/save_s": time.perf_counter() - t0, "checkpoint/bytes": float(nbytes)}
-
-
-def _export(role: Any, directory: Path) -> None:
-    from hybridflow.models.loader import save_pretrained
-
-    model, tokenizer = getattr(role, "model", None), getattr(role, "tokenizer", None)
-    if model is None or tokenizer is None or not hasattr(model, "save_pretrained"):
-        # e.g. the synthetic backend: there is no policy to export, only state.
-        log.info(
-            "actor backend %s has no transformers model: nothing exported", type(role).__name__
-        )
-        return
-    save_pretrained(model, tokenizer, directory)
 
 
 def load_stage(
     roles: Mapping[str, Any],
-    kinds: Mapping[str, str],
     root: Path,
     stage: str,
     replica: int,
 ) -> None:
     """Restore this process's roles and RNG from checkpoint `root` (after role setup)."""
     src = stage_dir(root, stage, replica)
-    if not src.is_dir() and replica > 0 and any(_writes_shards(r) for r in roles.values()):
+    if not src.is_dir() and replica > 0 and any(r.writes_shards for r in roles.values()):
         # A rank the writing run did not have (the stage's rank count changed): its
         # shards come from the shard files, the rest from replica 0.
         log.info(
@@ -177,7 +155,7 @@ def load_stage(
     for name, role in roles.items():
         if not (src / f"{name}.json").is_file():
             raise PipelineError(f"checkpoint {root}: no state for role {name!r} in {src}")
-        if _writes_shards(role):  # collective over the role's ranks
+        if role.writes_shards:  # collective over the role's ranks
             shards = shard_dir(root, stage, name)
             if not shards.is_dir():
                 raise PipelineError(
@@ -186,7 +164,7 @@ def load_stage(
             role.load_shards(shards, read_state(src, f"{name}.shards"))
         role.load_state_dict(read_state(src, name))
     for name, role in roles.items():
-        if kinds.get(name) != "actor" and hasattr(role, "update_weights"):
+        if type(role).receives_weights:
             weights = policy_weights(root)
             role.update_weights(iter(weights.items()), version=int(meta["policy_version"]))
             log.info("%s: policy weights of step %d loaded", name, meta["step"])

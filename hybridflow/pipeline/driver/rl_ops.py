@@ -78,6 +78,7 @@ from hybridflow.algos.shaping import informative_groups, overlong_penalty
 from hybridflow.config.loader import from_dict
 from hybridflow.config.schema import Topology
 from hybridflow.errors import ConfigError, PipelineError
+from hybridflow.stages.base import backend_class
 
 Batch = dict[str, torch.Tensor]
 GROUP_SOURCE = "prompts"  # the data source that lays steps out in groups (sources/rl.py)
@@ -375,14 +376,25 @@ class _KLCoefficient:
 
 
 def _check_sample_mask_consumed(topo: Topology, path: str) -> None:
-    """Dynamic sampling only works if the actor's update reads `sample_mask`."""
-    updates = [op for op in topo.dataflow if op.role == "actor" and op.op == "update"]
+    """Dynamic sampling only works if the policy's update reads `sample_mask`."""
+    where = topo.role_stage()
+    updates = [
+        op
+        for op in topo.dataflow
+        if op.op == "update" and op.role in where and _policy(topo, where[op.role], op.role)
+    ]
     if updates and not all("sample_mask" in op.inputs for op in updates):
         raise ConfigError(
             f"{path}.params.dynamic_sampling",
             "actor.update must read `sample_mask` (add it to its inputs), or the dropped "
             "groups still count in the loss's denominator",
         )
+
+
+def _policy(topo: Topology, stage: str, role: str) -> bool:
+    """Whether `role`'s backend class trains the run's policy (stages/contract.py)."""
+    rc = topo.stages[stage].roles[role]
+    return bool(backend_class(rc.kind or role, rc.backend).exports_policy)
 
 
 def _check_groups(topo: Topology, estimator: str, per_step: bool) -> None:

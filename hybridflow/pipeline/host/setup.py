@@ -98,11 +98,9 @@ async def set_up(
                 await worker.call(bind)
         if spec.resume_dir:
             part = "checkpoint"
-            kinds = {name: rc.kind or name for name, rc in cfg.roles.items()}
             await worker.call(
                 checkpoint.load_stage,
                 roles,
-                kinds,
                 Path(spec.resume_dir),
                 spec.stage,
                 spec.replica,

@@ -272,7 +272,6 @@ class StageProcess:
             stage=self.stage,
             replica=self.replica,
             roles=self.roles,
-            kinds={name: rc.kind or name for name, rc in self.cfg.roles.items()},
             weight_sync=self.weight_sync,
             worker=self.worker,
             send=self._send,

@@ -69,14 +69,13 @@ class TaskRunner:
         stage: str,
         replica: int,
         roles: Mapping[str, Role],
-        kinds: Mapping[str, str],
         weight_sync: StageWeightSync | None,
         worker: Worker,
         send: Send,
         send_failure: Callable[[Failure], Awaitable[None]],
     ) -> None:
         self.stage, self.replica = stage, replica
-        self.roles, self.kinds = roles, kinds
+        self.roles = roles
         self.weight_sync = weight_sync
         self.worker = worker
         self._send, self._send_failure = send, send_failure
@@ -211,7 +210,6 @@ class TaskRunner:
                 metrics = await self.worker.call(
                     checkpoint.save_stage,
                     self.roles,
-                    self.kinds,
                     Path(call.dir),
                     self.stage,
                     self.replica,

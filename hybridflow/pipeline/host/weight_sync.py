@@ -296,12 +296,12 @@ class StageWeightSync:
             _, local = await in_worker(role.handle, "reshard", {}, params)
             metrics.update(local)
         if sender is None:
-            if getattr(role, "is_sharded", False):
+            if role.is_sharded:
                 # A rank of a sharded actor sends nothing, but gathering each bucket is
                 # collective: it walks the same buckets as rank 0, then drops them.
                 await in_worker(_drain, role.weight_buckets())
             return metrics
-        if not callable(getattr(role, "weight_buckets", None)):
+        if not type(role).sends_weights:
             raise BatchError(
                 f"role {link.source} ({type(role).__name__}) cannot send weights to "
                 f"{', '.join(link.targets)} in other stages: it has no weight_buckets()"

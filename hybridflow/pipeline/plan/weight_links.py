@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from hybridflow.config.schema import Topology
 from hybridflow.errors import ConfigError
+from hybridflow.stages.base import backend_class
 
 Tier = Literal["shm", "nccl", "gloo"]
 
@@ -99,7 +100,9 @@ def links(topo: Topology) -> tuple[WeightLink, ...]:
                 receivers=receivers,
                 tier="nccl" if all(d.startswith("cuda") for d in devices) else "shm",
                 local_too=any(
-                    (rc.kind or name) == "rollout" for name, rc in roles.items() if name != src
+                    backend_class(rc.kind or name, rc.backend).receives_weights
+                    for name, rc in roles.items()
+                    if name != src
                 ),
             )
         )

@@ -92,6 +92,7 @@ class HFRollout(RolloutState, RoleBase):
 
     backend_name = "hf"
     runs_environments = True
+    receives_weights = True
 
     options_cls = HFRolloutOptions  # checked at plan time too (pipeline/plan/planner.py)
 

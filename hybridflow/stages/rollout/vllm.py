@@ -121,6 +121,7 @@ class VLLMRollout(RolloutState, RoleBase):
 
     options_cls = VLLMRolloutOptions  # checked at plan time too (pipeline/plan/planner.py)
     backend_name = "vllm"
+    receives_weights = True
 
     def __init__(self) -> None:
         self.opts: VLLMRolloutOptions | None = None

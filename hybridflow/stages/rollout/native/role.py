@@ -140,6 +140,7 @@ class NativeRollout(RolloutState, RoleBase):
     backend_name = "native"
     options_cls = NativeRolloutOptions
     runs_environments = True
+    receives_weights = True
 
     def __init__(self) -> None:
         self.opts: NativeRolloutOptions | None = None
