@@ -119,15 +119,20 @@ def role_ops(topo: Topology, role: str) -> dict[str, OpIO]:
     }
 
 
-def build_plan(topo: Topology, *, check_devices: bool = False) -> Plan:
-    """Registry checks + dependency analysis. Raises ConfigError with dotted paths."""
+def build_plan(topo: Topology, *, check_devices: bool = False, check_data: bool = True) -> Plan:
+    """Registry checks + dependency analysis. Raises ConfigError with dotted paths.
+
+    The data check builds the data source (which validates its own options) and closes
+    it. `check_data=False` leaves that to a caller that builds the run's source from
+    `topo.data` itself, so that a run builds it, and tokenizes its prompts, once."""
     sharded = sharded_roles(topo, _check_backends(topo))
-    _check_data(topo)
+    if check_data:
+        _check_data(topo)
     from hybridflow.pipeline.observe.metrics import check_sinks
 
     check_sinks(topo.metrics.backends)
     if check_devices:
-        _check_devices(topo)
+        check_devices_exist(topo)
     role_stage = topo.role_stage()
     from hybridflow.pipeline.plan.weight_links import sync_partners
 
@@ -317,7 +322,9 @@ def _check_data(topo: Topology) -> None:
     create_source(topo.data, topo.seed).close()  # the source validates its own options
 
 
-def _check_devices(topo: Topology) -> None:
+def check_devices_exist(topo: Topology) -> None:
+    """The CUDA devices `topo` puts stage replicas on exist on this machine (those of
+    other hosts are their launcher's to check); else a ConfigError naming the key."""
     wanted = [  # GPUs of other hosts are their launcher's to check
         (stage, r, cfg.device_of(r))
         for stage, cfg in topo.stages.items()
