@@ -87,8 +87,9 @@ def test_sft_of_a_lora_actor_hands_rl_the_merged_model(tmp_path):
     with df.build(metrics_backend="jsonl", log_dir=tmp_path / "run") as engine:
         sft = engine.sft("last_digit", steps=2, batch_size=8)
         assert len(sft.metrics) == 2
-        actor = df.actor_options()
+        actor = engine.job.declared.actor_options  # the engine's job, not the builder
         assert actor["model"].endswith("/policy/merged")
+        assert df.actor_options()["model"] == "tiny"  # the builder is left as declared
         assert (tmp_path / "run" / "sft").is_dir()
         assert (tmp_path.joinpath(actor["model"]) / "config.json").is_file()
         rl = engine.train("last_digit", steps=1)

@@ -19,10 +19,12 @@ the logic (pipeline/compiler/), places roles on processes (pipeline/api/placemen
 checks the result as a Topology, so every mistake surfaces there, before any process
 starts. `to_yaml()` writes that Topology: `hybridflow run FILE` runs the same plan.
 
-The Engine (pipeline/engine.py) runs each call (`train`, `sft`, `run`) as one pipeline
-run and keeps its state between calls in checkpoints: `save_checkpoint(save_path,
-save_interval, keep_last)` chooses where and how often, `resume_from="latest"` or a
-path continues an earlier job, even from another process.
+`build()` freezes the declarations (pipeline/api/declared.py) and hands the Engine
+(pipeline/api/engine.py) a `Job` of plain data (pipeline/api/job.py): changing the
+builder afterwards changes no engine. The Engine runs each call (`train`, `sft`, `run`)
+as one pipeline run and keeps its state between calls in checkpoints:
+`save_checkpoint(save_path, save_interval, keep_last)` chooses where and how often,
+`resume_from="latest"` or a path continues an earlier job, even from another process.
 
 Invariants: the builder never imports torch (build() does, to count GPUs); nothing the
 user wrote is executed (the logic is parsed, reward functions are imported by name in
@@ -31,6 +33,7 @@ their stage process); one seed drives every stage.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,29 +42,30 @@ from typing import TYPE_CHECKING, Any
 
 from hybridflow.config.imports import split_spec
 from hybridflow.config.loader import to_dict
-from hybridflow.config.schema import LOG_LEVELS, Topology, load_topology
-from hybridflow.config.stages import ROLE_NAMES, role_kind
+from hybridflow.config.schema import Topology
+from hybridflow.config.stages import ROLE_NAMES
 from hybridflow.errors import ConfigError
-from hybridflow.pipeline.api.placement import normalize, place
+from hybridflow.pipeline.api.declared import (
+    DEFAULT_DATASET,
+    MODEL_KEYS,
+    Declared,
+    MetricsBackend,
+    RoleDecl,
+    training_topology,
+)
+
+# tests/pipeline/test_pipeline_trackers.py reads the metrics section from here
+from hybridflow.pipeline.api.declared import metrics_section as _metrics_section  # noqa: F401
+from hybridflow.pipeline.api.placement import normalize
 from hybridflow.pipeline.compiler.frontend import CompiledStep, compile_step
-from hybridflow.pipeline.sources.datasets import dataset_source
 
 if TYPE_CHECKING:
     from hybridflow.pipeline.api.engine import Engine, TrainResult  # noqa: F401
 
-log = logging.getLogger("hybridflow.pipeline.api.builder")
-
-# `metrics_backend`: a sink name, a list of them, or the `metrics:` section (_metrics_section).
-MetricsBackend = str | Sequence[str] | Mapping[str, Any] | None
-
 # Options of the actor that belong to the rollout engine (sampling) instead.
 _ROLLOUT_KEYS = ("max_new_tokens", "top_p", "top_k", "max_batch_size", "stop_on_eos")
-# Model options every role built from the actor's model shares.
 _ROLLOUT_BACKENDS = ("hf", "native", "vllm")
-_MODEL_KEYS = ("tokenizer", "dtype", "init_seed", "init_device", "autocast_bf16", "model_overrides")
-_LIVENESS = {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 30.0, "startup_timeout_s": 180.0}
 _RUN_KEYS = ("step_batch", "micro_batch", "max_offpolicy_steps", "mode", "max_inflight")
-_TIMING = ("timing/", "compute/", "perf/", "checkpoint/", "rollout/gen_s", "rollout/tokens_per_s")
 
 
 @dataclass
@@ -120,7 +124,7 @@ class DataflowBuilder:
         if roll_map is not None:
             normalize("rollout", roll_map)
         actor = {k: v for k, v in options.items() if k not in _ROLLOUT_KEYS}
-        roll = {k: v for k, v in options.items() if k in _ROLLOUT_KEYS or k in _MODEL_KEYS}
+        roll = {k: v for k, v in options.items() if k in _ROLLOUT_KEYS or k in MODEL_KEYS}
         if "temperature" in options:
             roll["temperature"] = options["temperature"]
         roll.update(rollout or {})
@@ -285,140 +289,29 @@ class DataflowBuilder:
         `transport:` section (a multi-host launcher's), else the defaults."""
         if "actor" not in self._roles:
             raise ConfigError("add_actor", "a job needs an actor (df.add_actor)")
-        compiled = self.compile()
-        stages = self._stages(compiled, device_mapping or {}, cuda_count, multi_host)
-        data = self._data_config(compiled, dataset, log_dir)
-        metrics = _metrics_section(metrics_backend)
-        if log_level not in LOG_LEVELS:
-            raise ConfigError(
-                "log_level", f"must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}"
-            )
-        raw = {
-            "name": self.name,
-            "seed": self.seed,
-            "run": {"steps": steps, **self._run},
-            "data": data,
-            "stages": stages,
-            "dataflow": self._with_environment(_with_weight_sync(compiled, stages)),
-            "liveness": dict(_LIVENESS),
-            "metrics": metrics,
-            "log_level": log_level,
-            "run_dir": str(log_dir) if log_dir else "",
+        return training_topology(
+            self.declared(),
+            self.compile(),
+            dataset=dataset,
+            steps=steps,
+            log_dir=log_dir,
+            metrics_backend=metrics_backend,
+            log_level=log_level,
+            device_mapping=device_mapping,
+            cuda_count=cuda_count,
+            multi_host=multi_host,
+            transport=transport,
+        )
+
+    def declared(self) -> Declared:
+        """The declarations as they are now, frozen (a copy: later calls change none)."""
+        if self._step is None:
+            raise ConfigError("define_training_step", "no training step defined yet")
+        roles = {
+            name: RoleDecl(spec.backend, copy.deepcopy(spec.options), copy.deepcopy(spec.mapping))
+            for name, spec in self._roles.items()
         }
-        if transport:
-            raw["transport"] = dict(transport)
-        return load_topology(raw)
-
-    def _stages(
-        self,
-        compiled: CompiledStep,
-        overrides: Mapping[str, Any],
-        cuda_count: int | None,
-        multi_host: bool,
-    ) -> dict[str, Any]:
-        """-> the Topology's `stages` (with `hosts` where the mappings name other hosts)."""
-        options = self._role_options(compiled)
-        gpu = _cuda_count() if cuda_count is None else cuda_count
-        default = "cuda:0" if gpu else "cpu"
-        actor_map = self._roles["actor"].mapping or default
-        mappings: dict[str, Any] = {}
-        for role, spec in self._roles.items():
-            mapping = spec.mapping
-            if role in ("actor", "rollout"):  # the hybrid engine unless mapped apart
-                mappings[role] = actor_map if mapping is None else mapping
-                continue
-            if mapping is None and spec.backend == "env":  # beside the rollout it reads
-                mapping = mappings["rollout"]
-            if mapping is None:
-                # Hybrid engine by default: the reference shares the actor's devices. On a
-                # CPU-only machine the critic and reward get processes of their own (CPU
-                # slots), as in the bundled presets; a reward function never needs a GPU.
-                if role == "reference" or (
-                    role in ("critic", "reward") and gpu and spec.backend in ("hf", "model")
-                ):
-                    mapping = actor_map
-                elif role == "critic":
-                    mapping = "cpu:1"
-                else:
-                    mapping = "cpu:2"
-            mappings[role] = mapping
-        for role, mapping in overrides.items():
-            runtime = role_kind(role)
-            if runtime not in mappings:
-                raise ConfigError(
-                    f"device_mapping.{role}", f"no such role here; roles: {', '.join(mappings)}"
-                )
-            mappings[runtime] = mapping
-            if runtime == "actor" and "rollout" not in overrides and spec_map_is_default(self):
-                mappings["rollout"] = mapping  # the rollout follows the actor
-        slots = {role: normalize(role, m) for role, m in mappings.items()}
-        stages = {}
-        for sp in place(slots, cuda_count=gpu, multi_host=multi_host):
-            name = "engine" if {"actor", "rollout"} <= set(sp.roles) else sp.name
-            stages[name] = {
-                "replicas": sp.replicas,
-                "devices": sp.devices,
-                "roles": {
-                    r: {"backend": self._roles[r].backend, "options": options[r]} for r in sp.roles
-                },
-            }
-            if any(s.node for s in sp.slots):  # the launcher reads them from the plan
-                stages[name]["hosts"] = [s.node for s in sp.slots]
-        return stages
-
-    def _role_options(self, compiled: CompiledStep) -> dict[str, dict[str, Any]]:
-        out = {role: dict(spec.options) for role, spec in self._roles.items()}
-        actor = out["actor"]
-        shared = {k: actor[k] for k in _MODEL_KEYS if k in actor}
-        if "temperature" in actor:
-            shared["temperature"] = actor["temperature"]
-        for role in ("rollout", "reference"):
-            if role in out and out[role].get("model") == actor["model"]:
-                out[role] = {**shared, **out[role]}
-        reward = out.get("reward")
-        if reward is not None and "tokenizer" not in reward and "model" not in reward:
-            backend = self._roles["reward"].backend
-            if backend == "function":  # decodes text with the actor's tokenizer
-                reward.update(self._tokenizer_options())
-            elif backend in ("http", "zmq"):  # services get text too
-                model = str(actor["model"])
-                reward["tokenizer"] = actor.get("tokenizer") or (
-                    model if Path(model).is_dir() else "builtin"
-                )
-        # The sampler's log-probs stand for the actor's: one temperature for the policy.
-        temp = compiled.role_options.get("rollout", {}).get("temperature")
-        if temp:
-            for role in ("actor", "reference"):
-                if role in out and "temperature" not in self._roles[role].options:
-                    out[role]["temperature"] = temp
-        for role, implied in compiled.role_options.items():
-            if role == "data":
-                continue
-            target = out.setdefault(role, {})
-            for key, value in implied.items():
-                given = self._roles[role].options.get(key) if role in self._roles else None
-                if given is not None and given != value:
-                    raise ConfigError(
-                        f"{role}.{key}",
-                        f"{given!r} conflicts with the training step's logic, which implies "
-                        f"{value!r}; set it in one place",
-                    )
-                target[key] = value
-        return out
-
-    def _with_environment(self, ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """With an environment (add_environment): `generate` reads each row's record and
-        makes env_reward and num_turns; an `env` reward scores env_reward."""
-        if not self._roles["rollout"].options.get("env"):
-            return ops
-        env_reward = "reward" in self._roles and self._roles["reward"].backend == "env"
-        for op in ops:
-            if op["role"] == "rollout" and op["op"] == "generate":
-                op["inputs"] = [*op["inputs"], "metadata_json"]
-                op["outputs"] = [*op["outputs"], "env_reward", "num_turns"]
-            elif env_reward and op["role"] == "reward" and op["op"] == "score":
-                op["inputs"] = ["env_reward"]
-        return ops
+        return Declared(self.name, self.seed, roles, self._step, dict(self._run), dict(self._data))
 
     @property
     def step_spec(self) -> tuple[tuple[str, ...], tuple[str, ...], str] | None:
@@ -428,50 +321,11 @@ class DataflowBuilder:
     @property
     def dataset(self) -> Any:
         """The default dataset (set_data), else the built-in `last_digit` task."""
-        return self._data.get("dataset", "last_digit")
-
-    def use_policy(self, model_dir: str) -> None:
-        """Every role built from the actor's model starts from `model_dir` from now on
-        (after SFT: the fine-tuned policy replaces the initial one everywhere)."""
-        old = self._roles["actor"].options["model"]
-        for spec in self._roles.values():
-            if spec.options.get("model") == old:
-                spec.options["model"] = model_dir
-                spec.options.pop("model_overrides", None)  # the directory's config has them
+        return self._data.get("dataset", DEFAULT_DATASET)
 
     def actor_options(self) -> dict[str, Any]:
         """The actor's declared options (a copy)."""
         return dict(self._roles["actor"].options)
-
-    def tokenizer_options(self) -> dict[str, Any]:
-        return self._tokenizer_options()
-
-    def _tokenizer_options(self) -> dict[str, Any]:
-        """Where the actor's tokenizer comes from, for roles that only decode text."""
-        actor = self._roles["actor"].options
-        if actor.get("tokenizer"):
-            return {"tokenizer": actor["tokenizer"]}
-        if not Path(str(actor["model"])).is_dir():
-            return {"tokenizer": "builtin"}  # presets use the built-in tokenizer
-        return {"model": actor["model"]}
-
-    def _data_config(
-        self, compiled: CompiledStep, dataset: Any, log_dir: str | Path | None
-    ) -> dict[str, Any]:
-        opts = {k: v for k, v in self._data.items() if k != "dataset"}
-        chosen = dataset if dataset is not None else self._data.get("dataset", "last_digit")
-        source = dataset_source(chosen, Path(log_dir) if log_dir else None)
-        samples = compiled.role_options.get("data", {}).get("samples_per_prompt", 1)
-        return {
-            "source": "prompts",
-            "fields": list(compiled.data_fields),
-            "options": {
-                "source": source,
-                **self._tokenizer_options(),
-                **opts,
-                "samples_per_prompt": samples,
-            },
-        }
 
     def to_yaml(self, path: str | Path | None = None, **topology: Any) -> str:
         """The equivalent topology file (for `hybridflow run`); written to `path` if
@@ -507,6 +361,7 @@ class DataflowBuilder:
         `launcher`: None (processes on this host), "ray" (a RayLauncher on the cluster
         of RAY_ADDRESS, else a local one: node names in `device_mapping` are Ray hosts)
         or a Launcher object."""
+        from hybridflow.pipeline.api.job import Job
         from hybridflow.pipeline.plan.planner import build_plan
 
         if launcher == "ray":
@@ -524,14 +379,16 @@ class DataflowBuilder:
         }
         if callable(getattr(launcher, "transport_settings", None)):
             settings["transport"] = launcher.transport_settings()  # e.g. TCP off loopback
-        topo = self.topology(**settings)
-        _check_models(topo)
+        if "actor" not in self._roles:
+            raise ConfigError("add_actor", "a job needs an actor (df.add_actor)")
+        job = Job.make(self.declared(), self.compile(), settings)
+        _check_models(job.topology)
         # registries, data source, driver ops; local GPUs unless processes go elsewhere
-        build_plan(topo, check_devices=not settings["multi_host"])
+        build_plan(job.topology, check_devices=not settings["multi_host"])
         logging.getLogger("hybridflow").setLevel(log_level)
         from hybridflow.pipeline.api.engine import Engine
 
-        engine = Engine(self, settings, launcher)
+        engine = Engine(job, launcher)
         if resume_from is not None:
             engine.resume(resume_from)
         return engine
@@ -558,36 +415,6 @@ def _role_mapping(value: Any, role: str, *others: str) -> Any:
     return value
 
 
-def spec_map_is_default(builder: DataflowBuilder) -> bool:
-    """The rollout was given no mapping of its own (it follows the actor's)."""
-    return builder._roles["rollout"].mapping is None
-
-
-def _with_weight_sync(compiled: CompiledStep, stages: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The dataflow, plus `rollout.load_weights` after `actor.reshard` when the rollout
-    lives in another stage (pipeline/host/weight_sync.py streams the weights between them)."""
-    ops = [to_dict(op) for op in compiled.dataflow]
-    where = {role: name for name, cfg in stages.items() for role in cfg["roles"]}
-    apart = where.get("rollout") != where.get("actor")
-    if apart and any(op["role"] == "actor" and op["op"] == "reshard" for op in ops):
-        ops.append({"role": "rollout", "op": "load_weights", "scope": "step", "phase": "reshard"})
-    return ops
-
-
-def _metrics_section(value: MetricsBackend) -> dict[str, Any]:
-    """`metrics_backend` as the topology's `metrics:` section: one sink name, a list of
-    them (`["jsonl", "wandb", "mlflow"]`), or the section itself
-    (`{"backends": [...], "options": {"project": ..., "run_name": ..., "tags": [...]}}`);
-    None or "none" logs nothing. The topology's loader checks names and keys."""
-    if value is None or value == "none":
-        return {"backends": ["null"]}
-    if isinstance(value, str):
-        return {"backends": [value]}
-    if isinstance(value, Mapping):
-        return dict(value)
-    return {"backends": list(value)}
-
-
 def _check_models(topo: Topology) -> None:
     """Every model a role names exists (a directory or a preset): fail before launch."""
     from hybridflow.models.loader import resolve_model
@@ -597,15 +424,6 @@ def _check_models(topo: Topology) -> None:
             model = rc.options.get("model")
             if isinstance(model, str) and rc.backend in ("hf", "model", "vllm"):
                 resolve_model(model, f"stages.{stage}.roles.{role}.options.model")
-
-
-def _cuda_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken CUDA install counts as no GPU
-        return 0
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: the Engine lives in hybridflow.pipeline.api.engine

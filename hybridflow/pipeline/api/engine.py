@@ -1,4 +1,4 @@
-"""The Engine: runs what a DataflowBuilder declared, on stage processes that stay up.
+"""The Engine: runs a job a DataflowBuilder compiled, on stage processes that stay up.
 
     engine = df.build(...)                       (hybridflow.pipeline.api.builder)
     engine.train(dataset, steps=N)               N RL steps of the compiled training step
@@ -23,8 +23,7 @@ They are restarted, at the next call, from `state` when
   - a call raised (a stage failed or died, Ctrl-C): the processes may hold half a step;
   - `resume()` chose a checkpoint: the processes restore it at setup;
   - `sft()` exported a policy: every role (reference included) reloads from it, with a
-    fresh optimizer, and RL starts from it at step 0;
-  - the builder's declarations changed (define_training_step, add_*, configure, ...).
+    fresh optimizer, and RL starts from it at step 0.
 `close()` does not end the Engine: a later call starts the processes again from `state`.
 
 Checkpoints: every train/sft call ends with one (pipeline/checkpoint/), so
@@ -32,20 +31,17 @@ Checkpoints: every train/sft call ends with one (pipeline/checkpoint/), so
 `train(steps=6)` logs. Without save_checkpoint the engine keeps its state in
 `<log_dir>/checkpoints` (the last one only).
 
-Compilation: the training step is compiled and placed once per builder state (cached
-here); each call then builds its job's Topology from that one by typed replacement
-(data, sizes, dataflow), plans it once and runs it. `run` sends the compiled step's own
-dataflow (so a logic with `actor.update` trains) and reads the declared outputs where
-`CompiledStep.outputs` says they are: per-sample values from the tensors the scheduler
-collects (`CompiledStep.collect`), step-level ones (a loss) from the step's metrics.
-`sft`'s op list is `_SFT_OPS` (the step grammar has no SFT method yet).
-
-`run`'s result, for P prompts and n = samples per prompt (`actor.generate(..., n=)`):
-text (`response`) is a list of P str, or of P lists of n str when n > 1; a per-sample
-number (`reward_score`, `rewards`) is a tensor [P] (n = 1) or [P, n]; a per-token one
-(log-probs, advantages) [P, R] or [P, n, R], right-padded with 0; the prompts are the
-list given; a step-level value (`loss`, `kl_div`) is a 0-d tensor (NaN when the step
-reported none, e.g. every row dropped by dynamic sampling). Row i is prompt i.
+Compilation: the Engine is built from a `Job` (pipeline/api/job.py), plain data: the
+builder's declarations frozen at `build()`, the compiled step and the training Topology;
+it holds no reference to the builder, so changing the builder afterwards changes no
+engine (build again). Each call builds its Topology from the training one by typed
+replacement (`Job.train_topology`, `sft_topology`, `run_topology`), plans it once and
+runs it. `run` sends the compiled step's own dataflow (so a logic with `actor.update`
+trains) and reads the declared outputs where `CompiledStep.outputs` says they are
+(pipeline/api/results.py, which also gives the shapes): per-sample values from the
+tensors the scheduler collects (`CompiledStep.collect`), step-level ones (a loss) from
+the step's metrics. `sft`'s op list is `job.SFT_OPS` (the step grammar has no SFT
+method yet).
 
 Invariant: `step` is the number of RL steps whose effects are in `state` (the
 checkpoint the next restart resumes from) and, while processes are up, in them; a call
@@ -54,29 +50,18 @@ that raises leaves `step` and `state` unchanged and stops the processes.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import shutil
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from hybridflow.config.fields import SEQUENCE_FIELDS
 from hybridflow.config.loader import from_dict, to_dict
-from hybridflow.config.schema import (
-    CheckpointConfig,
-    MetricsConfig,
-    OpConfig,
-    RunConfig,
-    Topology,
-    ValidationConfig,
-)
+from hybridflow.config.schema import CheckpointConfig, Topology, ValidationConfig
 from hybridflow.errors import ConfigError
+from hybridflow.pipeline.api.job import Job
+from hybridflow.pipeline.api.results import TrainResult, run_outputs, train_result
 from hybridflow.pipeline.checkpoint import resume as ckpt
 from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer
-from hybridflow.pipeline.compiler.frontend import CompiledStep
-from hybridflow.pipeline.compiler.ir import StepOutput
 from hybridflow.pipeline.plan.planner import Plan, build_plan
 from hybridflow.pipeline.runtime.watch.rundir_lock import DirLock, release_all, take_locks
 from hybridflow.pipeline.sources.datasets import (
@@ -90,72 +75,22 @@ if TYPE_CHECKING:
     from hybridflow.pipeline.runtime.session import Session
     from hybridflow.pipeline.runtime.validation import Validator
 
-
-class Declarations(Protocol):
-    """What the Engine reads of the `DataflowBuilder` that made it (`builder.build`): the
-    declarations it compiles and places, and the two it changes (`use_policy`). Typed here,
-    not imported, so that builder -> engine is the only import between the two modules;
-    the fingerprint of the declarations is `vars()` of the builder."""
-
-    @property
-    def dataset(self) -> Any: ...
-
-    @property
-    def step_spec(self) -> tuple[tuple[str, ...], tuple[str, ...], str] | None: ...
-
-    compile: Callable[[], CompiledStep]
-    topology: Callable[..., Topology]  # DataflowBuilder.topology's keyword settings
-
-    def tokenizer_options(self) -> dict[str, Any]: ...
-
-    def actor_options(self) -> dict[str, Any]: ...
-
-    def use_policy(self, model_dir: str) -> None: ...
-
-
-@dataclass
-class TrainResult:
-    """What one `train`/`sft` call did. `metrics`: one dict per step (step included);
-    `outputs`: each declared output -> its value per step (a metric's mean)."""
-
-    metrics: list[dict[str, float]]
-    outputs: dict[str, list[float]] = field(default_factory=dict)
-    checkpoint: str = ""  # the checkpoint the call ended with
-    run_dir: str = ""
-    validation: list[dict[str, float]] = field(default_factory=list)  # val/ rows, step incl.
-
-
-_SFT_OPS = (
-    OpConfig(role="actor", op="sft_update", inputs=SEQUENCE_FIELDS, phase="train"),
-    OpConfig(role="actor", op="optimizer_step", scope="step", phase="train"),
-    OpConfig(role="actor", op="reshard", scope="step", phase="reshard"),
-)
-_LOAD_WEIGHTS = OpConfig(role="rollout", op="load_weights", scope="step", phase="reshard")
-
-
-@dataclass(frozen=True)
-class _Declared:
-    """The builder's declarations compiled and placed once (see `Engine._declared`)."""
-
-    key: str  # fingerprint of the builder state it was made from
-    topology: Topology  # the training topology: what the processes are started with
-    compiled: CompiledStep
+__all__ = ["Engine", "TrainResult"]
 
 
 class Engine:
-    """Runs what a DataflowBuilder declared (see the module docstring)."""
+    """Runs a compiled job (see the module docstring)."""
 
-    def __init__(self, builder: Declarations, settings: dict[str, Any], launcher: Any) -> None:
-        self.builder = builder
-        self.settings = settings
+    def __init__(self, job: Job, launcher: Any = None) -> None:
+        self.job = job  # replaced by job.with_policy(...) after sft()
+        self.settings = dict(job.settings)
         self.launcher = launcher
-        self.log_dir = Path(settings["log_dir"])
+        self.log_dir = job.log_dir
         self.step = 0  # RL steps done
         self.state: str | None = None  # the checkpoint holding the current state
         self.save: CheckpointConfig | None = None
         self.history: list[dict[str, float]] = []
         self._session: Session | None = None
-        self._cache: _Declared | None = None
         self._last_validation: dict[str, Any] | None = None  # train(validation=)'s
         # log_dir and the checkpoint directory, held while the processes are up: one run
         # per directory (pipeline/runtime/watch/rundir_lock.py).
@@ -218,7 +153,7 @@ class Engine:
         path = ckpt.resolve(resume_from, base)
         meta = ckpt.read_meta(path)
         theirs = ckpt.stage_layout(meta.get("config", {}).get("stages") or {})
-        ours = ckpt.stage_layout(to_dict(self._declared().topology)["stages"])
+        ours = ckpt.stage_layout(to_dict(self.job.topology)["stages"])
         if theirs != ours:
             raise ConfigError(
                 "resume_from",
@@ -270,16 +205,8 @@ class Engine:
             self.resume(resume_from)
         if steps < 1:
             raise ConfigError("steps", f"must be >= 1, got {steps}")
-        declared = self._declared()
-        base = declared.topology
-        topo = _validated(
-            dataclasses.replace(
-                base,
-                run=dataclasses.replace(base.run, steps=self.step + steps),
-                data=self._with_source(base, dataset),
-                validation=self._validation(validation),
-            )
-        )
+        job = self.job
+        topo = job.train_topology(self.step + steps, dataset, self._validation(validation))
         plan = build_plan(topo, check_devices=True)
         restore_stream_state(topo, self.state)  # an HF stream resumes from its own state
         validator = self._validator(topo)
@@ -297,7 +224,7 @@ class Engine:
                 validator.close()
         save_stream_states(topo, res.checkpoints)
         self.step += steps
-        return self._result(res, topo, declared.compiled)
+        return self._result(res, topo, job)
 
     def validate(self, dataset: Any = None, **settings: Any) -> dict[str, float]:
         """Evaluate the current policy on a held-out set, without training: `dataset`
@@ -311,10 +238,9 @@ class Engine:
         if "source" not in given:
             raise ConfigError("dataset", "give the held-out set to validate on")
         given.update(before_train=True, after_train=False, interval=0)
-        declared = self._declared()
-        topo = _validated(
-            dataclasses.replace(declared.topology, validation=self._validation(given))
-        )
+        validation = self._validation(given)
+        assert validation is not None
+        topo = self.job.validation_topology(validation)
         plan = build_plan(topo, check_devices=True)
         validator = self._validator(topo)
         assert validator is not None
@@ -346,64 +272,21 @@ class Engine:
         `warmup_steps` replace the actor's for SFT only (RL keeps the declared ones)."""
         if steps < 1:
             raise ConfigError("steps", f"must be >= 1, got {steps}")
-        declared = self._declared()
-        base = declared.topology
-        size = batch_size or base.run.step_batch
-        stages = dict(base.stages)
+        job = self.job
         given = {"lr": lr, "warmup_steps": warmup_steps}
         overrides = {k: v for k, v in given.items() if v is not None}
-        # A LoRA actor's policy export is a PEFT adapter directory, which no role can load
-        # as its model: SFT also writes the merged model (`policy/merged`), and RL starts
-        # fresh adapters on top of it.
-        lora = int(self.builder.actor_options().get("lora_rank", 0) or 0) > 0
-        if lora:
-            overrides["lora_export_merged"] = True
-        if overrides:  # other actor options than the processes have: a restart
-            name = next(s for s, c in stages.items() if "actor" in c.roles)
-            actor = stages[name].roles["actor"]
-            roles = {
-                **stages[name].roles,
-                "actor": dataclasses.replace(actor, options={**actor.options, **overrides}),
-            }
-            stages[name] = dataclasses.replace(stages[name], roles=roles)
-        hosts = base.role_stage()
-        apart = "rollout" in hosts and hosts["rollout"] != hosts["actor"]
-        chosen = dataset if dataset is not None else self.builder.dataset
-        topo = _validated(
-            dataclasses.replace(
-                base,
-                name=f"{base.name}-sft",
-                stages=stages,
-                run=RunConfig(
-                    steps=steps,
-                    step_batch=size,
-                    micro_batch=base.run.micro_batch if size % base.run.micro_batch == 0 else size,
-                ),
-                data=dataclasses.replace(
-                    base.data,
-                    source="sft",
-                    fields=SEQUENCE_FIELDS,
-                    options={
-                        "source": dataset_source(chosen, self.log_dir),
-                        **self.builder.tokenizer_options(),
-                    },
-                ),
-                # Weights stream to a rollout in another process as after an RL step.
-                dataflow=_SFT_OPS + ((_LOAD_WEIGHTS,) if apart else ()),
-                run_dir=str(self.log_dir / "sft"),
-            )
-        )
-        plan = build_plan(topo, check_devices=True)
-        launch = plan if overrides else None
+        sft = job.sft_topology(dataset, steps, batch_size, overrides)
+        plan = build_plan(sft.topology, check_devices=True)
+        launch = plan if sft.restart else None  # other actor options than the processes'
         cfg = CheckpointConfig(str(self.log_dir / "sft" / "checkpoints"), 0, 1)
-        res = self._job(plan, launch, 0, Checkpointer(cfg, steps - 1, self._extra()))
+        res = self._job(plan, launch, 0, Checkpointer(cfg, steps - 1, job.extra()))
         policy = Path(res.checkpoints[-1]) / "policy"
-        if lora:
+        if sft.lora:
             policy = policy / "merged"
-        self.builder.use_policy(str(policy))  # changes the declarations: a restart
+        self.job = job.with_policy(str(policy))  # every role reloads from it: a restart
         self.close()
         self.step, self.state = 0, None
-        return self._result(res, topo, declared.compiled)
+        return self._result(res, sft.topology, job)
 
     def run(self, prompts: Sequence[str]) -> dict[str, Any]:
         """One step of the declared logic on `prompts` (each sampled n times, as the
@@ -416,75 +299,17 @@ class Engine:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts or not all(isinstance(p, str) and p for p in prompts):
             raise ConfigError("prompts", "give a non-empty list of non-empty prompt strings")
-        declared = self._declared()
-        base, compiled = declared.topology, declared.compiled
-        n, trains = compiled.samples_per_prompt, compiled.trains
-        size = len(prompts) * n
-        # The declared streaming unit when it fits (groups whole), else one micro-batch.
-        mb = base.run.micro_batch
-        mb = mb if size % mb == 0 and mb % n == 0 else size
-        topo = _validated(
-            dataclasses.replace(
-                base,
-                name=base.name if trains else f"{base.name}-generate",
-                run=dataclasses.replace(
-                    base.run, steps=self.step + 1, step_batch=size, micro_batch=mb
-                ),
-                data=dataclasses.replace(
-                    base.data,
-                    options={
-                        **base.data.options,
-                        "source": dataset_source(prompts, self.log_dir),
-                        "shuffle": False,  # one epoch of the prompts in order: row i = prompt i
-                    },
-                ),
-                # A training step is logged with the others; a generation leaves no trace.
-                metrics=base.metrics if trains else MetricsConfig(backends=("null",)),
-                run_dir=base.run_dir if trains else str(self.log_dir / "generate"),
-            )
-        )
+        job = self.job
+        topo = job.run_topology(prompts, self.step)
         plan = build_plan(topo, check_devices=True)
         # Same processes, dataflow and links as the training topology: it launches them.
-        checkpointer = self._checkpointer(self.step) if trains else None
-        res = self._job(plan, plan, self.step, checkpointer, collect=compiled.collect)
-        collected = {k: _cat(v) for k, v in res.collected.get(self.step, {}).items()}
-        row = res.metrics[-1] if res.metrics else {}
+        step, trains = self.step, job.compiled.trains
+        checkpointer = self._checkpointer(step) if trains else None
+        res = self._job(plan, plan, step, checkpointer, collect=job.compiled.collect)
         if trains:
             self.step += 1
             self.history += [dict(m) for m in res.metrics]
-        return {
-            name: self._output(out, prompts, n, collected, row)
-            for name, out in compiled.outputs.items()
-        }
-
-    def _output(
-        self,
-        out: StepOutput,
-        prompts: list[str],
-        n: int,
-        collected: dict[str, Any],
-        row: dict[str, float],
-    ) -> Any:
-        """One declared output of a `run` step (see the module docstring for shapes)."""
-        import torch
-
-        if out.kind == "prompt":
-            return list(prompts)
-        if not out.tensor:  # a step-level value: the update's metric
-            return torch.tensor(row.get(out.metric, math.nan), dtype=torch.float32)
-        value = collected[out.tensor]  # [P * n, ...], prompt i's samples on rows i*n..
-        if out.kind != "response":
-            return value.reshape(len(prompts), n, *value.shape[1:]) if n > 1 else value
-        from hybridflow.data.batching import unpad
-        from hybridflow.models.loader import load_tokenizer
-
-        opts = self.builder.tokenizer_options()
-        tok = load_tokenizer(opts.get("tokenizer"), opts.get("model"))
-        texts = [
-            tok.decode(r, skip_special_tokens=True)
-            for r in unpad(value, collected["response_mask"])
-        ]
-        return texts if n == 1 else [texts[i : i + n] for i in range(0, len(texts), n)]
+        return run_outputs(job.compiled, res, step, prompts, job.declared.tokenizer_options())
 
     def export(self, directory: str | Path) -> Path:
         """The current policy as a transformers directory (save_pretrained); a LoRA
@@ -500,30 +325,13 @@ class Engine:
         return out
 
     # -- internals ------------------------------------------------------------------------
-    def _declared(self) -> _Declared:
-        """The training topology and compiled step of the builder as it is now; compiled
-        and placed again only when the builder's declarations changed."""
-        key = repr((sorted(vars(self.builder).items()), sorted(self.settings.items())))
-        if self._cache is None or self._cache.key != key:
-            compiled = self.builder.compile()
-            topo = self.builder.topology(**self.settings)
-            self._cache = _Declared(key, topo, compiled)
-        return self._cache
-
-    def _with_source(self, base: Topology, dataset: Any) -> Any:
-        """`base.data` reading `dataset` (None: the builder's default dataset)."""
-        if dataset is None:
-            return base.data
-        source = dataset_source(dataset, self.log_dir)
-        return dataclasses.replace(base.data, options={**base.data.options, "source": source})
+    def _declared(self) -> Job:
+        """The job this engine runs (its training topology and compiled step)."""
+        return self.job
 
     def _checkpointer(self, last_step: int) -> Checkpointer:
         cfg = self.save or CheckpointConfig(self._default_dir(), 0, 1)
-        return Checkpointer(cfg, last_step, self._extra())
-
-    def _extra(self) -> dict[str, Any]:
-        step = self.builder.step_spec
-        return {"logic": step[2], "inputs": list(step[0]), "outputs": list(step[1])} if step else {}
+        return Checkpointer(cfg, last_step, self.job.extra())
 
     def _job(
         self,
@@ -576,8 +384,8 @@ class Engine:
                 dirs = [("log_dir", self.log_dir), ("save_checkpoint.save_path", Path(save))]
                 self._locks = take_locks(dirs, "Engine (Python API)")
             if launch is None:
-                declared = self._declared().topology
-                launch = plan if declared == plan.topology else build_plan(declared)
+                training = self.job.topology
+                launch = plan if training == plan.topology else build_plan(training)
             honour_log_level(launch.topology.log_level)
             session = Session(launch, launcher=self.launcher, resume_dir=self.state)
             self._session = session
@@ -637,28 +445,7 @@ class Engine:
 
         return Validator(topo, run_dir_of(topo)) if topo.validation is not None else None
 
-    def _result(self, res: RunResult, topo: Topology, compiled: CompiledStep) -> TrainResult:
-        rows = [dict(m) for m in res.metrics]
-        self.history += rows
-        outputs: dict[str, list[float]] = {}
-        for name, out in compiled.outputs.items():
-            if out.metric:
-                outputs[name] = [row.get(out.metric, math.nan) for row in rows]
-        return TrainResult(
-            rows,
-            outputs,
-            res.checkpoints[-1] if res.checkpoints else "",
-            str(topo.run_dir),
-            validation=[dict(v) for v in res.validation],
-        )
-
-
-def _validated(topo: Topology) -> Topology:
-    """A Topology made by `dataclasses.replace`, checked as if it had been loaded."""
-    return from_dict(Topology, to_dict(topo))
-
-
-def _cat(parts: list[Any]) -> Any:
-    from hybridflow.pipeline.runtime.scheduler import concat_rows
-
-    return concat_rows(list(parts))
+    def _result(self, res: RunResult, topo: Topology, job: Job) -> TrainResult:
+        result = train_result(res, topo, job.compiled)
+        self.history += [dict(m) for m in result.metrics]
+        return result
