@@ -251,65 +251,77 @@ def _type_name(tp: Any) -> str:
 
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
+    """`value` as type `tp` (the field types of the module docstring), or ConfigError."""
     if tp is Any:
         return value
     origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, path)
-            except ConfigError as exc:
-                errors.append(exc)
-        if len(errors) == 1:
-            raise errors[0]
-        raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
-
+        return _convert_union(tp, value, path)
     if origin is typing.Literal:
+        args = typing.get_args(tp)
         if value in args and not (isinstance(value, bool) and not any(a is value for a in args)):
             return value
         raise ConfigError(path, f"must be one of {', '.join(repr(a) for a in args)}; got {value!r}")
-
     if origin in (list, Sequence, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"expected a list, got {_describe(value)}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(path, f"expected {len(args)} items, got {len(value)}")
-            return tuple(
-                _convert(a, v, f"{path}[{i}]")
-                for i, (a, v) in enumerate(zip(args, value, strict=True))
-            )
-        item = args[0] if args else Any
-        items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-
+        return _convert_sequence(tp, value, path)
     if origin in (dict, Mapping):
         if not isinstance(value, dict):
             raise ConfigError(path, f"expected a mapping, got {_describe(value)}")
-        kt, vt = args if args else (Any, Any)
+        kt, vt = typing.get_args(tp) or (Any, Any)
         out = {}
         for k, v in value.items():
             sub = f"{path}.{k}" if path else str(k)
             out[_convert(kt, k, sub)] = _convert(vt, v, sub)
         return out
-
     if dataclasses.is_dataclass(tp):
         return _convert_dataclass(tp, value, path)
-
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(value)
         except ValueError:
             choices = ", ".join(repr(m.value) for m in tp)
             raise ConfigError(path, f"must be one of {choices}; got {value!r}") from None
+    if tp in (bool, int, float, str):
+        return _convert_scalar(tp, value, path)
+    raise TypeError(f"config loader: unsupported field type {tp!r} at {path}")
 
+
+def _convert_union(tp: Any, value: Any, path: str) -> Any:
+    """The first member of the union that takes `value`; its error if it is the only one."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _convert(arg, value, path)
+        except ConfigError as exc:
+            errors.append(exc)
+    if len(errors) == 1:
+        raise errors[0]
+    raise ConfigError(path, f"expected {_type_name(tp)}, got {_describe(value)}")
+
+
+def _convert_sequence(tp: Any, value: Any, path: str) -> Any:
+    """list[T] / Sequence[T] -> a list; tuple[T, ...] and fixed tuples -> a tuple."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(path, f"expected a list, got {_describe(value)}")
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise ConfigError(path, f"expected {len(args)} items, got {len(value)}")
+        return tuple(
+            _convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
+    item = args[0] if args else Any
+    items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+def _convert_scalar(tp: type, value: Any, path: str) -> Any:
+    """bool, int, float (finite), str: never converted from another type."""
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -328,11 +340,9 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 raise ConfigError(path, f"must be a finite number, got {value!r}")
             return number
         raise ConfigError(path, f"expected a number, got {_describe(value)}{_quoted_number(value)}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(path, f"expected a string, got {_describe(value)}")
-    raise TypeError(f"config loader: unsupported field type {tp!r} at {path}")
+    if isinstance(value, str):
+        return value
+    raise ConfigError(path, f"expected a string, got {_describe(value)}")
 
 
 def _convert_dataclass(cls: Any, value: Any, path: str) -> Any:
