@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config.fields import METADATA
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import LOG_LEVELS, Topology, load_topology
 from hybridflow.config.stages import role_kind
@@ -251,7 +252,7 @@ def _with_environment(declared: Declared, ops: list[dict[str, Any]]) -> list[dic
     env_reward = "reward" in roles and roles["reward"].backend == "env"
     for op in ops:
         if op["role"] == "rollout" and op["op"] == "generate":
-            op["inputs"] = [*op["inputs"], "metadata_json"]
+            op["inputs"] = [*op["inputs"], METADATA]
             op["outputs"] = [*op["outputs"], "env_reward", "num_turns"]
         elif env_reward and op["role"] == "reward" and op["op"] == "score":
             op["inputs"] = ["env_reward"]
