@@ -31,7 +31,7 @@ from hybridflow.config.fields import FIELDS, GENERATE_INPUTS, GENERATE_OUTPUTS, 
 from hybridflow.config.fields import SEQUENCE_FIELDS as SEQ
 from hybridflow.config.schema import DRIVER_ROLE, OpConfig
 from hybridflow.errors import CompileError
-from hybridflow.pipeline.compiler.grammar import DATA_FIELDS, KINDS
+from hybridflow.pipeline.compiler.grammar import DATA_FIELDS, KINDS, ROLE_METHODS
 from hybridflow.pipeline.compiler.ir import Arith, CompiledStep, Scalar, StepIR, StepOutput, Value
 from hybridflow.pipeline.compiler.loss import PolicyLoss, resolve_loss
 from hybridflow.pipeline.driver.rl_ops import AdvantageParams
@@ -44,7 +44,9 @@ def lower(ir: StepIR) -> CompiledStep:
 
 
 DEFAULT_GROUP_SIZE = 8  # samples per prompt for group estimators when generate says no n
-_ROLLOUT_OPTIONS = ("temperature", "top_p", "top_k", "max_new_tokens")
+# generate's sampling options are the rollout's options of the same names; `n` is the data
+# source's samples_per_prompt
+_ROLLOUT_OPTIONS = tuple(o for o in ROLE_METHODS[("actor", "generate")].options if o != "n")
 ARITH_OP = "hybridflow.pipeline.driver.expr:arith"
 SCORE_ADV_OP = "hybridflow.pipeline.driver.expr:ScoreAdvantages"
 
