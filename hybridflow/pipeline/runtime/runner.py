@@ -1,9 +1,10 @@
 """Run a topology end to end: launch stages, coordinate, tear down; the CLI entry points.
 
 `run_topology(topo)` is the one-shot way a run happens (CLI, benchmarks, tests): one
-`Session` (pipeline/runtime/session.py) with one job. It plans the topology, launches
-one process per stage replica through a `Launcher`, runs the `Coordinator` and,
-whatever happens (success, error, Ctrl-C, SIGTERM), tears down in this order:
+`Session` (pipeline/runtime/session.py) with one job. It plans the topology and builds
+its data source (each once: `plan_run`), launches one process per stage replica through
+a `Launcher`, runs the `Coordinator` and, whatever happens (success, error, Ctrl-C,
+SIGTERM), tears down in this order:
     Shutdown to every stage -> close the socket -> launcher.stop (wait, TERM, KILL,
     reap) -> sweep /dev/shm/hybridflow-<run_id>-* -> remove the ipc directory.
 Invariant: when `run_topology` returns or raises, no process and no shared-memory
@@ -52,6 +53,7 @@ from hybridflow.pipeline.observe.metrics import MetricsSink, make_sinks
 from hybridflow.pipeline.plan.planner import (
     Plan,
     build_plan,
+    check_devices_exist,
     describe,
     describe_text,
     trainer_stages,
@@ -63,6 +65,7 @@ from hybridflow.pipeline.runtime.stage_specs import places_hosts
 from hybridflow.pipeline.runtime.training import run_training
 from hybridflow.pipeline.runtime.validation import Validator
 from hybridflow.pipeline.runtime.watch.rundir_lock import lock_dirs
+from hybridflow.pipeline.sources.registry import DataSource, create_source
 
 __all__ = [
     "checkpoint_dir",
@@ -93,22 +96,44 @@ def run_topology(
     stages restore from (see the module docstring). Without a `checkpointer`, the
     topology's `checkpoint:` section (if any) makes one."""
     check_start(topo, start_step)
-    # A multi-host launcher's processes run on its nodes: their GPUs are not ours to count.
-    plan = build_plan(topo, check_devices=not places_hosts(launcher))
-    check_dirs(topo)
-    if checkpointer is None and topo.checkpoint is not None:
-        checkpointer = topology_checkpointer(topo)
-    honour_log_level(topo.log_level)
-    # One run per directory, for the run's life (pipeline/runtime/watch/rundir_lock.py).
-    with lock_dirs(owned_dirs(topo, checkpointer), f"run {topo.name!r}"):
-        return _run_locked(
-            topo, plan, collect, run_id, sinks, launcher, start_step, resume_dir, checkpointer
-        )
+    plan, source = plan_run(topo, check_devices=not places_hosts(launcher))
+    try:
+        check_dirs(topo)
+        if checkpointer is None and topo.checkpoint is not None:
+            checkpointer = topology_checkpointer(topo)
+        honour_log_level(topo.log_level)
+        # One run per directory, for the run's life (pipeline/runtime/watch/rundir_lock.py).
+        with lock_dirs(owned_dirs(topo, checkpointer), f"run {topo.name!r}"):
+            return _run_locked(
+                topo,
+                plan,
+                source,
+                collect,
+                run_id,
+                sinks,
+                launcher,
+                start_step,
+                resume_dir,
+                checkpointer,
+            )
+    finally:
+        source.close()
+
+
+def plan_run(topo: Topology, *, check_devices: bool) -> tuple[Plan, DataSource]:
+    """The run's plan and its training data source, each built once: the plan does not
+    build a source of its own to check `data` (the one built here checks it, just
+    after the plan's other checks), so every prompt is tokenized once per run. The
+    caller closes the source. `check_devices`: False for a multi-host launcher, whose
+    processes run on its nodes (their GPUs are not ours to count)."""
+    plan = build_plan(topo, check_devices=check_devices, check_data=False)
+    return plan, create_source(topo.data, topo.seed)
 
 
 def _run_locked(
     topo: Topology,
     plan: Plan,
+    source: DataSource,
     collect: Sequence[str],
     run_id: str | None,
     sinks: Sequence[MetricsSink],
@@ -133,6 +158,7 @@ def _run_locked(
             driver_state=resume_dir,
             collect=collect,
             validator=validator,
+            source=source,
         )
     finally:
         for sink in all_sinks:
@@ -286,11 +312,11 @@ def cli_validate(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     topo = _load(args)
-    plan = build_plan(topo)
+    plan = build_plan(topo)  # planned once: the devices are checked apart, below
     validation = describe_validation(topo)
     note = ""
     try:
-        build_plan(topo, check_devices=True)
+        check_devices_exist(topo)
     except ConfigError as exc:
         note = f"note: cannot run on this machine: {exc}"
     if getattr(args, "json", False):

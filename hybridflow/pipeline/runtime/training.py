@@ -15,8 +15,10 @@ policy version carry on; between jobs the pipeline drains (validation must see o
 policy: with max_offpolicy_steps > 0 rollout would otherwise run ahead of it). What a
 job-per-chunk would lose is handed on explicitly: the metrics sinks (one set for the
 whole run: one metrics.jsonl, one progress bar, one plot), the training data source
-(tokenized once), the driver ops (their state, e.g. an adaptive KL coefficient) and the
-checkpointer (its schedule counts run steps).
+(built and tokenized once per run: the caller's, e.g. run_topology's, else one built
+here for all the jobs), the driver ops (their state, e.g. an adaptive KL coefficient)
+and the checkpointer (its schedule counts run steps). A job's plan is the run's plan
+ending at the job's last step, not planned again.
 
 Invariant: the training rows equal those of the same run without validation; each
 validation row goes to the same sinks at its step, and into `RunResult.validation`; its
@@ -29,13 +31,14 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from hybridflow.config.loader import config_hash
 from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer
 from hybridflow.pipeline.observe.metrics import MetricsSink
 from hybridflow.pipeline.observe.samples import sample_sinks, samples_wanted
-from hybridflow.pipeline.plan.planner import Plan, build_plan
+from hybridflow.pipeline.plan.planner import Plan
 from hybridflow.pipeline.runtime.coordinator import RunResult
 from hybridflow.pipeline.runtime.validation import Validator
-from hybridflow.pipeline.sources.registry import create_source
+from hybridflow.pipeline.sources.registry import DataSource, create_source
 
 
 def run_training(
@@ -48,15 +51,19 @@ def run_training(
     driver_state: str | None = None,
     collect: Sequence[str] = (),
     validator: Validator | None = None,
+    source: DataSource | None = None,
 ) -> RunResult:
     """Steps `start_step` .. `plan.topology.run.steps - 1`, validated as the module
-    docstring says. The caller owns `sinks` (and closes them)."""
+    docstring says. The caller owns `sinks` (and closes them), and `source` when it
+    gives one (built from `plan.topology.data`); else one is built here and closed."""
     topo = plan.topology
     end = topo.run.steps
     points = validator.points(start_step, end) if validator is not None else []
     if validator is not None:
         validator.begin(start_step)
-    source = create_source(topo.data, topo.seed)
+    own = source is None
+    if source is None:
+        source = create_source(topo.data, topo.seed)
     drivers: dict[int, Any] = {}
     jobs: list[RunResult] = []  # the training jobs
     rows: list[dict[str, float]] = []
@@ -89,14 +96,18 @@ def run_training(
                     s.write_samples(point, validator.sample_rows, validator.tokenizer, "val")
                 rows.append({"step": float(point), **metrics})
     finally:
-        source.close()
+        if own:
+            source.close()
     return _merged(jobs, rows, startup_s or 0.0)
 
 
 def _until(plan: Plan, steps: int) -> Plan:
-    """`plan` with its run ending after `steps` steps (a chunk between validations)."""
+    """`plan` with its run ending after `steps` steps (a chunk between validations): the
+    same processes, ops and dependencies (none of them depends on run.steps), so it is
+    not planned again (planning builds, and tokenizes, a data source to check it)."""
     topo = plan.topology
-    return build_plan(dataclasses.replace(topo, run=dataclasses.replace(topo.run, steps=steps)))
+    chunk = dataclasses.replace(topo, run=dataclasses.replace(topo.run, steps=steps))
+    return dataclasses.replace(plan, topology=chunk, config_hash=config_hash(chunk))
 
 
 def _merged(

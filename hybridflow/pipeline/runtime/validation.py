@@ -192,7 +192,9 @@ class Validator:
                 checkpoint=None,
                 validation=None,
             )
-            self.plan: Plan = build_plan(self.topology)
+            # The source above is the plan's data check (built from the same `data`):
+            # the plan does not build, and tokenize, the validation set again.
+            self.plan: Plan = build_plan(self.topology, check_data=False)
         except BaseException:
             self.source.close()
             raise
