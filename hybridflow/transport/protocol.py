@@ -26,7 +26,8 @@ import msgspec
 
 from hybridflow.errors import ProtocolError
 
-SCHEMA_VERSION = 3  # 2: Heartbeat reports running/queued tasks; 3: Hello carries a proof
+# 2: Heartbeat reports running/queued tasks; 3: Hello carries a proof; 4: Task.returns
+SCHEMA_VERSION = 4
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: headers are descriptors and small metadata only
 MAX_FRAMES = 4096
 
@@ -232,6 +233,11 @@ class Task(Msg, frozen=True):
     role: Ident
     op: Ident
     params: dict[Ident, Scalar] = {}
+    # What the stage sends back of the op's outputs: the job's declared outputs, and the
+    # sample fields when the micro-batch holds rows the run records (samples.jsonl).
+    # Named per task, not per process: the processes of a session serve several jobs
+    # (training, validation), whose dataflows differ. None: everything the op returns.
+    returns: list[Ident] | None = None
 
 
 class Result(Msg, frozen=True):

@@ -1,6 +1,6 @@
-"""The stage host's own bounds, without processes: the launch spec it decodes and its
-bounded task queue (the real-process checks are in test_failures_base_exceptions.py and
-test_pipeline_liveness.py)."""
+"""The stage host's own bounds, without processes: the launch spec it decodes, its
+bounded task queue, the outputs a Result carries (the real-process checks are in
+test_failures_base_exceptions.py and test_pipeline_liveness.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,18 @@ import asyncio
 
 import msgspec
 import pytest
+import torch
 
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import PipelineError
 from hybridflow.pipeline.host import launch_spec
 from hybridflow.pipeline.host.stage_process import StageProcess
+from hybridflow.pipeline.host.tasks import TaskRunner
+from hybridflow.pipeline.observe.samples import pick_rows
+from hybridflow.pipeline.plan.planner import build_plan
+from hybridflow.pipeline.runtime.scheduler import Scheduler
+from hybridflow.pipeline.sources.registry import create_source
 from hybridflow.transport.channel import Received
 from hybridflow.transport.protocol import Task
 
@@ -67,3 +73,33 @@ def test_the_task_queue_holds_max_inflight_tasks_and_a_control_call_then_refuses
     proc = asyncio.run(fill())
     assert proc.worker.progress()[1] == [0, 1, 2]  # held, not started; the refused one is not
     proc.worker.shutdown()
+
+
+def test_a_result_carries_only_the_outputs_its_task_names():
+    out = {n: torch.zeros(2, 3) for n in ("response_ids", "response_mask", "prompt_ids", "scratch")}
+
+    def task(returns: list[str] | None) -> Task:
+        return Task(
+            run_id="r", task_id=0, step=0, mb_id=0, policy_version=0, role="rollout",
+            op="generate", returns=returns,
+        )  # fmt: skip
+
+    named = TaskRunner._returned(task(["response_ids", "response_mask"]), out)
+    assert sorted(named) == ["response_ids", "response_mask"]  # `scratch` stays in the stage
+    assert sorted(TaskRunner._returned(task(None), out)) == sorted(out)  # None: everything
+
+
+def test_the_scheduler_asks_for_the_sample_fields_only_where_rows_are_sampled():
+    topo = load_topology("grpo")
+    plan = build_plan(topo)
+    sched = Scheduler(plan)
+    sched.sample_rows = 2
+    source = create_source(topo.data, topo.seed)
+    for step in sched.data_requests():
+        sched.add_data(step, source.batch(step, topo.run.step_batch))
+    generate = [d for d in sched.ready() if d.op.cfg.op == "generate"]
+    picked = {d.mb_id: d.returns() for d in generate}
+    assert picked, "generate dispatched"
+    for mb, names in picked.items():
+        assert names[:3] == ["response_ids", "response_mask", "rollout_logprobs"]
+        assert ("prompt_ids" in names) == (mb in {m for m, _ in pick_rows(32, 4, 2)}), (mb, names)

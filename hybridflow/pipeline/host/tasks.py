@@ -8,7 +8,8 @@ arrival order under the op declarations' rules (dispatch.py), run each, and answ
     from op names) and a Control call are barriers of the process.
 
 Each task's `params` are the op's configured params plus `step`, `mb_id` and
-`policy_version` from the Task. Results carry `info["compute_s"]`, the seconds the op ran
+`policy_version` from the Task. A Result carries the outputs the Task names only
+(`Task.returns`: the job's declared outputs, plus the sample fields it records). Results carry `info["compute_s"]`, the seconds the op ran
 (a plain op: in the worker thread, its wait for the thread excluded; a concurrent op: the
 call's wall time), which the coordinator reports per phase. Whatever a task or a control
 call raises (any BaseException but this process's own teardown: failures.interrupted) is
@@ -175,7 +176,7 @@ class TaskRunner:
                 metrics={str(k): float(v) for k, v in metrics.items()},
                 info={"compute_s": self.worker.ran_s(task.task_id, t0)},
             )
-            await self._send(result, outputs)
+            await self._send(result, self._returned(task, outputs))
         except BaseException as exc:  # not only Exception: see failures.interrupted
             if interrupted(exc):
                 raise
@@ -188,6 +189,17 @@ class TaskRunner:
         finally:
             self.running -= 1
             self.worker.release(task.task_id)
+
+    @staticmethod
+    def _returned(task: Task, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What goes back: the outputs the Task names (the job's declared outputs, and
+        the sample fields when it records samples; a missing declared one is the
+        scheduler's StageError). Anything else an op returns stays here instead of
+        crossing the socket to be dropped."""
+        if task.returns is None:
+            return outputs
+        keep = set(task.returns)
+        return {k: v for k, v in outputs.items() if k in keep}
 
     async def _sync_weights(
         self, task: Task, via: Via, params: dict[str, Any], staged: asyncio.Future[Any] | None

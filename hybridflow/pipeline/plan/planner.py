@@ -430,6 +430,9 @@ def describe_text(plan: Plan) -> str:
         lines.append(f"  {e['from']} -> {e['to']}: {e['value']}")
     for w in d.get("weight_sync", []):
         lines.append(f"weights: {w['from']} -> {', '.join(w['to'])} over {w['tier']}")
+    from hybridflow.pipeline.plan.step import outline  # it reads this module's Plan
+
+    lines += outline(plan)
     for dev, names in d.get("shared_gpus", {}).items():
         lines.append(
             f"shared GPU: {dev} hosts {len(names)} stage processes ({', '.join(names)}); each "

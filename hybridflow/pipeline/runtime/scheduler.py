@@ -281,7 +281,8 @@ class Scheduler:
             st.head_versions.append(self.policy_version)
         rep = replicas[0] if len(replicas) == 1 else -1
         self._log(Event(now, "dispatch", st.step, m, op.index, rep, self.policy_version))
-        return Dispatch(task_id, st.step, m, op, replicas, inputs, self.policy_version)
+        samples = not op.is_step and any(mb == m for mb, _ in st.picks)
+        return Dispatch(task_id, st.step, m, op, replicas, inputs, self.policy_version, samples)
 
     # -- completion ----------------------------------------------------------------------
     def complete(

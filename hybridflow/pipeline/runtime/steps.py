@@ -23,7 +23,7 @@ import torch
 
 from hybridflow.errors import PipelineError
 from hybridflow.pipeline.observe.metrics import derive_step_metrics, reduce_step_metric
-from hybridflow.pipeline.observe.samples import sample_fields_extra
+from hybridflow.pipeline.observe.samples import SAMPLE_FIELDS, sample_fields_extra
 from hybridflow.pipeline.plan.planner import DATA, Plan, PlannedOp
 
 Batch = dict[str, torch.Tensor]
@@ -49,6 +49,14 @@ class Dispatch:
     replicas: tuple[int, ...]  # () for a driver op
     inputs: Batch
     policy_version: int
+    samples: bool = False  # the micro-batch holds sampled rows: ask for the sample fields
+
+    def returns(self) -> list[str]:
+        """The outputs the stage is asked to send back (Task.returns)."""
+        names = list(self.op.cfg.outputs)
+        if self.samples:
+            names += [n for n in SAMPLE_FIELDS if n not in names]
+        return names
 
     def inputs_for(self, replica: int) -> Batch:
         """What `replica` receives: its row share for a sharded op, else all inputs."""

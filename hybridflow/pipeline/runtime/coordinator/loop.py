@@ -355,6 +355,7 @@ class Coordinator:
             role=op.role,
             op=op.op,
             params=dict(op.params),
+            returns=d.returns(),
         )
         # The bound of one task of the op (the table: pipeline/runtime/watch/deadlines.py).
         bound = op_bound(op, d.op.index, self.topo.liveness)
