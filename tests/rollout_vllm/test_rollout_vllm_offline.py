@@ -12,7 +12,7 @@ from hybridflow.config.loader import from_dict
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.base import StageContext
 from hybridflow.stages.rollout import vllm_compat
-from hybridflow.stages.rollout.vllm import VLLMRollout, VLLMRolloutOptions
+from hybridflow.stages.rollout.vllm import VLLMRollout, VLLMRolloutOptions, _VLLMWeights
 
 
 def ctx(tmp_path, **options) -> StageContext:
@@ -74,7 +74,7 @@ def test_sleep_wake_bookkeeping_with_a_fake_engine_seam(monkeypatch):
     monkeypatch.setattr(vllm_compat, "wake_up", lambda llm, tags: calls.append(("wake", tags)))
     role = VLLMRollout()
     role.opts, role.on_gpu, role.llm = options(model="tiny-vllm", sleep_level=2), True, object()
-    role._update = vllm_compat.WeightUpdate(llm=None)
+    role.weights = _VLLMWeights(role)
     role._ready = True  # set up by hand through the seam, not by setup()
 
     assert role.handle("sleep", {}, {})[1] == {"rollout/sleep_skipped": 0.0}

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -78,12 +78,12 @@ from hybridflow.stages.rollout.state import (
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
     GENERATE_PARAMS,
-    LOAD_WEIGHTS_PARAMS,
     HFRolloutOptions,
     RolloutState,
     check_prompts,
     eos_ids,
 )
+from hybridflow.stages.rollout.weights import InPlaceWeights
 from hybridflow.transport import aio
 
 
@@ -92,7 +92,6 @@ class HFRollout(RolloutState, RoleBase):
 
     backend_name = "hf"
     runs_environments = True
-    receives_weights = True
 
     options_cls = HFRolloutOptions  # checked at plan time too (pipeline/plan/planner.py)
 
@@ -101,12 +100,7 @@ class HFRollout(RolloutState, RoleBase):
         self.model: Any = None
         self.calls = 0
         self.policy_version: int | None = None
-        self.weights_ok = True
-        self._updating = False
-        self._unwritten: set[int] = set()
-        self._update_bytes = 0
-        self._update_tensors = 0
-        self._update_t0 = 0.0
+        self.weights: InPlaceWeights | None = None
         self.loop: TrajectoryLoop | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -128,7 +122,7 @@ class HFRollout(RolloutState, RoleBase):
         if opts.stop_on_eos and not self.eos_ids:
             raise ConfigError(f"{options_path(ctx)}.eos_token_id", "the model names no EOS token")
         # Every name the sender may use (tied weights answer to both names) -> parameter.
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.weights = InPlaceWeights(dict(self.model.named_parameters(remove_duplicate=False)))
         # transformers 5.2x renamed `past_key_values` (forward argument and output) to `cache`.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
@@ -142,19 +136,12 @@ class HFRollout(RolloutState, RoleBase):
 
     def close(self) -> None:
         self.model = None
-        self._params = {}
+        self.weights = None
         if self.loop is not None:
             self.loop.close()
             self.loop = None
 
     # -- ops -----------------------------------------------------------------------------
-    @op(name="load_weights", scope=Scope.STEP, params=LOAD_WEIGHTS_PARAMS)
-    def _op_load_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        """One bucket of a weight update (`last` ends it); the batch is {name: tensor}."""
-        return {}, self.load_bucket(
-            batch, last=bool(params.get("last", True)), version=params.get("version")
-        )
-
     @op(scope=Scope.STEP)
     def sleep(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         """No-op here (this backend keeps no cache between calls): presets written for the
@@ -170,10 +157,7 @@ class HFRollout(RolloutState, RoleBase):
     def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         opts = self._call_options(params)
         where = "hf rollout generate"
-        if self._updating:
-            raise BatchError(f"{where}: a weight update is in progress (no `last` bucket yet)")
-        if not self.weights_ok:
-            raise BatchError(f"{where}: the last weight update failed or was incomplete")
+        self._sink().ready(where)
         require(batch, ("prompt_ids", "prompt_mask"), where)
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
         self._check_prompts(prompt_ids, prompt_mask, opts, where)
@@ -293,73 +277,6 @@ class HFRollout(RolloutState, RoleBase):
             torch.stack(logprobs, 1).float().cpu(),
             lengths.cpu(),
         )
-
-    # -- weights -------------------------------------------------------------------------
-    def update_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None
-    ) -> Metrics:
-        """In-process hand-off (colocated actor): one complete update from (name, tensor)
-        pairs, consumed lazily (one tensor at a time, copied in place)."""
-        self._begin()
-        self._feed(weights)
-        return self._end(version)
-
-    def load_bucket(
-        self, bucket: Mapping[str, torch.Tensor], *, last: bool, version: int | None = None
-    ) -> Metrics:
-        """One bucket of a streamed update (disaggregated: buckets arrive as messages)."""
-        if not isinstance(bucket, Mapping):
-            raise BatchError(f"load_weights: bucket must be a mapping, got {type(bucket).__name__}")
-        if not self._updating:
-            self._begin()
-        self._feed(bucket.items())
-        if not last:
-            return {"reshard/bucket_tensors": float(len(bucket))}
-        return self._end(version)
-
-    def _begin(self) -> None:
-        self._updating, self.weights_ok = True, False
-        self._unwritten = {id(p) for p in self._params.values()}
-        self._update_bytes = self._update_tensors = 0
-        self._update_t0 = time.perf_counter()
-
-    def _feed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        try:
-            with torch.no_grad():
-                for name, tensor in weights:
-                    param = self._params.get(name)
-                    if param is None:
-                        known = list(self._params)[:4]
-                        raise BatchError(f"load_weights: unknown parameter {name!r} (e.g. {known})")
-                    if param.shape != tensor.shape:
-                        raise BatchError(
-                            f"load_weights: {name} is {tuple(tensor.shape)}, the model "
-                            f"expects {tuple(param.shape)}"
-                        )
-                    param.copy_(tensor)  # casts dtype and moves device as needed
-                    self._unwritten.discard(id(param))
-                    self._update_bytes += tensor.numel() * tensor.element_size()
-                    self._update_tensors += 1
-        except BaseException:
-            self._updating = False  # weights_ok stays False: never sample mixed weights
-            raise
-
-    def _end(self, version: int | None) -> Metrics:
-        self._updating = False
-        if self._unwritten:
-            missing = [n for n, p in self._params.items() if id(p) in self._unwritten]
-            raise BatchError(
-                f"load_weights: incomplete update, {len(missing)} parameter(s) never "
-                f"received, e.g. {missing[:4]}"
-            )
-        self.weights_ok = True
-        if version is not None:
-            self.policy_version = int(version)
-        return {
-            "timing/reshard": time.perf_counter() - self._update_t0,
-            "reshard/bytes": float(self._update_bytes),
-            "reshard/tensors": float(self._update_tensors),
-        }
 
 
 def _pick(

@@ -30,10 +30,12 @@ import torch
 
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.loader import ModelOptions
-from hybridflow.stages.base import Metrics, Params
+from hybridflow.stages.base import Batch, Metrics, Params
 from hybridflow.stages.common import check_ids_mask, check_left_padded, mix_seed
+from hybridflow.stages.contract import Scope, op
 from hybridflow.stages.env.parsers import get_parser
 from hybridflow.stages.env.registry import EnvConfig
+from hybridflow.stages.rollout.weights import WeightSink
 
 
 @dataclass
@@ -105,19 +107,58 @@ class HFRolloutOptions(ModelOptions):
 _SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "n")
 
 
+# The `load_weights` op's params. last/version: set per bucket by the stage host;
+# sync_timeout_s and stage_weights: the weight link's settings, read by the host
+# (pipeline/host/weight_sync.py).
+LOAD_WEIGHTS_PARAMS = ("last", "version", "sync_timeout_s", "stage_weights")
+
+
 class RolloutState:
-    """What the rollout backends (hf, vllm) share: per-call sampling overrides, the
-    generate metrics, and the checkpoint state (the number of generate calls and the
-    policy version loaded). Weights belong to the actor; a resumed run reshards before its
-    first rollout, so they are not part of it."""
+    """What the rollout backends (hf, vllm, native) share: per-call sampling overrides, the
+    generate metrics, weight updates (the `load_weights` op, `update_weights` and
+    `load_bucket`, through the backend's `WeightSink`: weights.py), and the checkpoint
+    state (the number of generate calls and the policy version loaded). Weights belong to
+    the actor; a resumed run reshards before its first rollout, so they are not part of
+    it."""
 
     backend_name: str
     # Whether `generate` runs the trajectory loop when `env` is set (multiturn.py).
     runs_environments: ClassVar[bool] = False
+    receives_weights: ClassVar[bool] = True  # a capability (stages/contract.py)
     opts: Any  # the backend's options (an HFRolloutOptions or subclass), set in setup
     seed: int  # the run's (or options.seed), set in setup
     calls: int
     policy_version: int | None
+    weights: WeightSink | None  # set in setup, None after close
+
+    @op(name="load_weights", scope=Scope.STEP, params=LOAD_WEIGHTS_PARAMS)
+    def _op_load_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """One bucket of a weight update (`last` ends it); the batch is {name: tensor}."""
+        last = bool(params.get("last", True))
+        return {}, self.load_bucket(batch, last=last, version=params.get("version"))
+
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: Any = None
+    ) -> Metrics:
+        """In-process hand-off (colocated actor): one complete update from (name, tensor)
+        pairs, consumed lazily (one tensor at a time)."""
+        return self._updated(self._sink().update(weights), version)
+
+    def load_bucket(self, bucket: Any, *, last: bool, version: Any = None) -> Metrics:
+        """One bucket of a streamed update (disaggregated: buckets arrive as messages)."""
+        metrics = self._sink().bucket(bucket, last=last)
+        return self._updated(metrics, version) if last else metrics
+
+    def _sink(self) -> WeightSink:
+        if self.weights is None:
+            raise RuntimeError(f"{self.backend_name} rollout used before setup (or after close)")
+        return self.weights
+
+    def _updated(self, metrics: Metrics, version: Any) -> Metrics:
+        """A complete update landed: the policy version it carries."""
+        if version is not None:
+            self.policy_version = int(version)
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": self.calls, "policy_version": self.policy_version}
@@ -185,9 +226,6 @@ MULTI_TURN_OUTPUTS = ("env_reward", "num_turns")
 # The dataflow `params:` each rollout op reads (a per-call override of the sampling
 # options, a fixed seed; a weight bucket's `last`/`version`); other keys are typos.
 GENERATE_PARAMS = (*_SAMPLING_OVERRIDES, "seed")
-# last/version: set per bucket by the stage host; sync_timeout_s and stage_weights: the
-# weight link's settings, read by the host (pipeline/host/weight_sync.py).
-LOAD_WEIGHTS_PARAMS = ("last", "version", "sync_timeout_s", "stage_weights")
 
 
 def check_prompts(

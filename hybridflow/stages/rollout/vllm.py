@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -72,12 +72,12 @@ from hybridflow.stages.rollout.state import (
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
     GENERATE_PARAMS,
-    LOAD_WEIGHTS_PARAMS,
     HFRolloutOptions,
     RolloutState,
     check_prompts,
     eos_ids,
 )
+from hybridflow.stages.rollout.weights import WeightSink
 
 
 @dataclass
@@ -121,7 +121,6 @@ class VLLMRollout(RolloutState, RoleBase):
 
     options_cls = VLLMRolloutOptions  # checked at plan time too (pipeline/plan/planner.py)
     backend_name = "vllm"
-    receives_weights = True
 
     def __init__(self) -> None:
         self.opts: VLLMRolloutOptions | None = None
@@ -134,10 +133,8 @@ class VLLMRollout(RolloutState, RoleBase):
         self.seed = 0
         self.calls = 0  # generate calls so far: part of the default per-request seed
         self.policy_version: int | None = None
-        self.weights_ok = True  # False after a failed/incomplete update
+        self.weights: _VLLMWeights | None = None
         self.asleep: set[str] = set()  # what sleep() released and wake_up() has not restored
-        self._update: vllm_compat.WeightUpdate | None = None
-        self._update_t0 = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,7 +155,7 @@ class VLLMRollout(RolloutState, RoleBase):
         ctx.log.info("vllm engine for %s ready in %.1f s", opts.model, time.perf_counter() - t0)
         self.vocab_size = vllm_compat.engine_vocab_size(self.llm)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self._update = vllm_compat.WeightUpdate(self.llm)
+        self.weights = _VLLMWeights(self)
 
     def _engine_kwargs(self, opts: VLLMRolloutOptions, model_dir: str) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
@@ -191,16 +188,9 @@ class VLLMRollout(RolloutState, RoleBase):
         if self.llm is not None:
             vllm_compat.shutdown(self.llm)
         self.llm = None
-        self._update = None
+        self.weights = None
 
     # ------------------------------------------------------------------ ops
-
-    @op(name="load_weights", scope=Scope.STEP, params=LOAD_WEIGHTS_PARAMS)
-    def _op_load_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        """One bucket of a weight update (`last` ends it); the batch is {name: tensor}."""
-        return {}, self.load_bucket(
-            batch, last=bool(params.get("last", True)), version=params.get("version")
-        )
 
     @op(name="sleep", scope=Scope.STEP)
     def _op_sleep(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
@@ -260,72 +250,11 @@ class VLLMRollout(RolloutState, RoleBase):
         )
 
     def _check_ready(self, where: str) -> None:
-        assert self._update is not None
-        if self._update.active:
-            raise BatchError(
-                f"{where}: a weight update is in progress (load_weights buckets sent without "
-                "the `last` one)"
-            )
-        if not self.weights_ok:
-            raise vllm_compat.WeightSyncError(
-                f"{where}: the last weight update failed or was incomplete; the engine holds "
-                "mixed weights and will not generate until a complete update succeeds"
-            )
+        self._sink().ready(where)
         if self.asleep:
             raise BatchError(
                 f"{where}: the engine is asleep ({sorted(self.asleep)} released); call wake_up"
             )
-
-    # ------------------------------------------------------------------ weights
-
-    def update_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None
-    ) -> Metrics:
-        """In-process handoff (colocated actor): stream (checkpoint name, tensor) pairs into
-        the engine as one complete update. The iterable is consumed lazily, so a generator
-        that gathers one parameter (or one bucket) at a time bounds the extra memory."""
-        self._begin()
-        self._update_feed(weights)
-        return self._end(version)
-
-    def load_bucket(
-        self, bucket: Mapping[str, torch.Tensor], *, last: bool, version: int | None = None
-    ) -> Metrics:
-        """One bucket of a streamed update (disaggregated: buckets arrive as messages)."""
-        assert self._update is not None
-        if not isinstance(bucket, Mapping):
-            raise BatchError(f"load_weights: bucket must be a mapping, got {type(bucket).__name__}")
-        if not self._update.active:
-            self._begin()
-        self._update_feed(bucket.items())
-        if not last:
-            return {"reshard/bucket_tensors": float(len(bucket))}
-        return self._end(version)
-
-    def _begin(self) -> None:
-        assert self._update is not None
-        if "weights" in self.asleep:
-            self.wake_up(["weights"])  # weights back before writing them
-        self.weights_ok = False  # until this update completes
-        self._update_t0 = time.perf_counter()
-        self._update.start()
-
-    def _update_feed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        assert self._update is not None
-        self._update.feed(weights)  # ends the update itself on error (weights_ok stays False)
-
-    def _end(self, version: int | None) -> Metrics:
-        assert self._update is not None
-        self._update.finish()  # raises WeightSyncError if incomplete
-        self.weights_ok = True
-        vllm_compat.reset_prefix_cache(self.llm)  # cached KV was computed with old weights
-        if version is not None:
-            self.policy_version = int(version)
-        return {
-            "timing/reshard": time.perf_counter() - self._update_t0,
-            "reshard/bytes": float(self._update.bytes),
-            "reshard/tensors": float(self._update.tensors),
-        }
 
     # ------------------------------------------------------------------ memory (GPU)
 
@@ -423,3 +352,41 @@ def _pack(outs: list[Any], n: int, pad_id: int) -> Batch:
         "rollout_logprobs": logprobs,
         "group_index": group_index,
     }
+
+
+class _VLLMWeights(WeightSink):
+    """vLLM's own loader (vllm_compat.WeightUpdate: the engine's `load_weights`, run on
+    its workers) behind the rollout backends' weight protocol (weights.py). An update
+    wakes released weights first, and drops the prefix cache (its K/V was computed with
+    the old weights) once complete."""
+
+    failed = vllm_compat.WeightSyncError
+
+    def __init__(self, role: VLLMRollout) -> None:
+        self.role = role
+        self.loader = vllm_compat.WeightUpdate(role.llm)
+        self._t0 = 0.0
+
+    @property  # type: ignore[override]
+    def updating(self) -> bool:
+        return self.loader.active
+
+    def begin(self) -> None:
+        if "weights" in self.role.asleep:
+            self.role.wake_up(["weights"])  # weights back before writing them
+        self.ok = False  # until this update completes
+        self._t0 = time.perf_counter()
+        self.loader.start()
+
+    def feed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.loader.feed(weights)  # ends the update itself on error (ok stays False)
+
+    def end(self) -> Metrics:
+        self.loader.finish()  # raises WeightSyncError if incomplete
+        self.ok = True
+        vllm_compat.reset_prefix_cache(self.role.llm)
+        return {
+            "timing/reshard": time.perf_counter() - self._t0,
+            "reshard/bytes": float(self.loader.bytes),
+            "reshard/tensors": float(self.loader.tensors),
+        }

@@ -3,7 +3,7 @@ Mistral model's own modules, with continuous batching, a slot KV cache and CUDA-
 
     role.NativeRollout      the rollout backend (ops: generate [async], load_weights,
       |                     sleep, wake_up; update_weights for a colocated actor)
-      +-- weights.WeightReceiver   in-place / aliased weight updates, completeness check
+      +-- ../weights.InPlaceWeights   in-place / aliased weight updates (shared with hf)
       +-- frontend.AsyncEngine     one thread owns the device; asyncio futures per request
             +-- engine.NativeEngine    add_request / step(): prefill, decode, retire
                   +-- scheduler.Scheduler   pure slot bookkeeping (rows dense in slots)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from hybridflow.config.loader import from_dict
-from hybridflow.errors import BatchError, ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import build_model, mix_seed, options_path, require
 from hybridflow.stages.contract import RoleBase, Scope, op
@@ -57,17 +57,16 @@ from hybridflow.stages.rollout.native import limits
 from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
 from hybridflow.stages.rollout.native.frontend import AsyncEngine, EngineClosedError
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
-from hybridflow.stages.rollout.native.weights import WeightReceiver
 from hybridflow.stages.rollout.state import (
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
     GENERATE_PARAMS,
-    LOAD_WEIGHTS_PARAMS,
     HFRolloutOptions,
     RolloutState,
     check_prompts,
     eos_ids,
 )
+from hybridflow.stages.rollout.weights import InPlaceWeights
 
 GIB = float(1 << 30)
 
@@ -140,12 +139,11 @@ class NativeRollout(RolloutState, RoleBase):
     backend_name = "native"
     options_cls = NativeRolloutOptions
     runs_environments = True
-    receives_weights = True
 
     def __init__(self) -> None:
         self.opts: NativeRolloutOptions | None = None
         self.engine: AsyncEngine | None = None
-        self.weights: WeightReceiver | None = None
+        self.weights: InPlaceWeights | None = None
         self.calls = 0
         self.policy_version: int | None = None
         self._active = 0  # generate calls in flight (all on the stage's event loop)
@@ -188,7 +186,7 @@ class NativeRollout(RolloutState, RoleBase):
             keep_sessions=opts.reuse_kv,
         )
         self.engine = AsyncEngine(NativeEngine(model, config, path=path))
-        self.weights = WeightReceiver(
+        self.weights = InPlaceWeights(
             dict(model.named_parameters(remove_duplicate=False)), alias=opts.alias_weights
         )
         self.loop = trajectory_loop(ctx, opts, self.tokenizer, self.eos_ids, max_len)
@@ -226,10 +224,7 @@ class NativeRollout(RolloutState, RoleBase):
         assert self.weights is not None
         opts = self._call_options(params)
         where = "native rollout generate"
-        if self.weights.updating:
-            raise BatchError(f"{where}: a weight update is in progress (no `last` bucket yet)")
-        if not self.weights.ok:
-            raise BatchError(f"{where}: the last weight update failed or was incomplete")
+        self.weights.ready(where)
         require(batch, ("prompt_ids", "prompt_mask"), where)
         ids, mask = batch["prompt_ids"], batch["prompt_mask"]
         m = check_prompts(ids, mask, where, self.vocab_size)
@@ -306,12 +301,6 @@ class NativeRollout(RolloutState, RoleBase):
         metrics["rollout/prefill_saved_frac"] = turns.reused / context if context else 0.0
         return out, {**metrics, **result.metrics}
 
-    @op(scope=Scope.STEP, params=LOAD_WEIGHTS_PARAMS)
-    def load_weights(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
-        """One bucket of a weight update (`last` ends it); the batch is {name: tensor}."""
-        last = bool(params.get("last", True))
-        return {}, self.load_bucket(batch, last=last, version=params.get("version"))
-
     @op(scope=Scope.STEP)
     def sleep(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         """Free the KV cache and CUDA graphs (if `release_cache_on_sleep`)."""
@@ -340,7 +329,7 @@ class NativeRollout(RolloutState, RoleBase):
             metrics["rollout/peak_mem_gb"] = stats["peak_allocated_bytes"] / GIB
         return {}, metrics
 
-    # -- weights -------------------------------------------------------------------------
+    # -- weights: RolloutState's protocol, each call on the engine thread ---------------
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None
     ) -> Metrics:
@@ -369,9 +358,7 @@ class NativeRollout(RolloutState, RoleBase):
         assert self.weights is not None
         if self.weights.replaced:  # aliased storage: the graphs point at the old tensors
             core.refresh_graphs()
-        if version is not None:
-            self.policy_version = int(version)
-        return metrics
+        return self._updated(metrics, version)
 
 
 class _NativeTurns:

@@ -1,16 +1,25 @@
-"""Writing a weight update into a rollout engine's model: in place, bucket by bucket, with
-the completeness check every rollout backend promises (hf, native).
+"""How every rollout backend takes a weight update: one protocol (`WeightSink`), and the
+in-place writer the hf and native engines share (`InPlaceWeights`; vllm.py adapts vLLM's
+own loader to the same protocol).
 
-Consumes (name, tensor) pairs named as `model.named_parameters(remove_duplicate=False)`
-names them (a tied weight answers to both names), from a colocated actor's iterable or
-from streamed buckets. Produces the update metrics (`timing/reshard`, `reshard/bytes`,
-`reshard/tensors`) and, after the last bucket, either a complete model or an error.
+An update arrives one of two ways, both through `WeightSink`:
+  - `update(pairs)`: the in-process hand-off of a colocated actor's `reshard`, (name,
+    tensor) pairs consumed lazily (a generator that gathers one parameter at a time keeps
+    only that one alive);
+  - `bucket(mapping, last=)`: a streamed update of a disaggregated reshard, one message's
+    bucket at a time, `last` closing it.
+Either way `begin`, any number of `feed`s and `end` run in order, and the sink says whether
+the engine may sample (`ok`) and whether an update is half-way (`updating`): `ready(where)`
+is the check every backend's generate makes. The metrics of a complete update are
+`timing/reshard`, `reshard/bytes` and `reshard/tensors`.
 
-Aliasing (option): when a tensor already has the parameter's shape, dtype and device and
-is contiguous, the parameter takes its storage instead of a copy, so a colocated engine
-reads the actor's weights with no second copy. The storage stays shared until the next
-update, and anything that captured the old pointers (CUDA graphs) must be re-made:
-`replaced` says whether this update changed any parameter's storage.
+InPlaceWeights consumes pairs named as `model.named_parameters(remove_duplicate=False)`
+names them (a tied weight answers to both names). Aliasing (option): when a tensor already
+has the parameter's shape, dtype and device and is contiguous, the parameter takes its
+storage instead of a copy, so a colocated engine reads the actor's weights with no second
+copy. The storage stays shared until the next update, and anything that captured the old
+pointers (CUDA graphs) must be re-made: `replaced` says whether this update changed any
+parameter's storage.
 
 Invariants: a model is never sampled half-written (`ok` is False from the first tensor
 of an update until its last bucket passes the completeness check, and stays False after
@@ -27,19 +36,27 @@ import torch
 from hybridflow.errors import BatchError
 from hybridflow.stages.base import Metrics
 
+Pairs = Iterable[tuple[str, torch.Tensor]]
 
-class WeightReceiver:
-    def __init__(self, params: Mapping[str, torch.nn.Parameter], *, alias: bool = False) -> None:
-        self.params = dict(params)  # every name the sender may use -> parameter
-        self.alias = alias
-        self.updating = False
-        self.ok = True
-        self.replaced = False
-        self._unwritten: set[int] = set()
-        self._bytes = self._tensors = 0
-        self._t0 = 0.0
 
-    def update(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Metrics:
+class WeightSink:
+    """One engine's weight updates: `begin`, `feed`s, `end` (subclasses), reached through
+    `update` or `bucket`."""
+
+    updating = False  # between an update's first tensor and its end
+    ok = True  # the engine holds one complete update (False after any error)
+    failed: type[BatchError] = BatchError  # what `ready` raises for a failed update
+
+    def begin(self) -> None:
+        raise NotImplementedError
+
+    def feed(self, weights: Pairs) -> None:
+        raise NotImplementedError
+
+    def end(self) -> Metrics:
+        raise NotImplementedError
+
+    def update(self, weights: Pairs) -> Metrics:
         """One complete update from (name, tensor) pairs, consumed lazily."""
         self.begin()
         self.feed(weights)
@@ -56,13 +73,38 @@ class WeightReceiver:
             return {"reshard/bucket_tensors": float(len(bucket))}
         return self.end()
 
+    def ready(self, where: str) -> None:
+        """Raise unless the engine may sample: no update half-way, the last one complete."""
+        if self.updating:
+            raise BatchError(
+                f"{where}: a weight update is in progress (load_weights buckets sent without "
+                "the `last` one)"
+            )
+        if not self.ok:
+            raise self.failed(
+                f"{where}: the last weight update failed or was incomplete; the engine holds "
+                "mixed weights and will not generate until a complete update succeeds"
+            )
+
+
+class InPlaceWeights(WeightSink):
+    """Writes each tensor into the engine model's parameter of that name (hf, native)."""
+
+    def __init__(self, params: Mapping[str, torch.nn.Parameter], *, alias: bool = False) -> None:
+        self.params = dict(params)  # every name the sender may use -> parameter
+        self.alias = alias
+        self.replaced = False
+        self._unwritten: set[int] = set()
+        self._bytes = self._tensors = 0
+        self._t0 = 0.0
+
     def begin(self) -> None:
         self.updating, self.ok, self.replaced = True, False, False
         self._unwritten = {id(p) for p in self.params.values()}
         self._bytes = self._tensors = 0
         self._t0 = time.perf_counter()
 
-    def feed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def feed(self, weights: Pairs) -> None:
         try:
             with torch.no_grad():
                 for name, tensor in weights:
