@@ -5,7 +5,7 @@
     ref_logprob = ref.get_logprob(prompt, response)
     actor_logprob = actor.get_logprob(prompt, response)
     kl_div = actor_logprob - ref_logprob
-    loss = ppo_loss(reward_score, kl_div)
+    loss = ppo_loss(reward_score, kl_div, lam=0.95)
     actor.update(loss)
 
 With a critic declared, `ppo_loss` estimates advantages with GAE on the critic's
