@@ -20,6 +20,9 @@ the tasks that depend on it.
 
 An op name is a registered name (`advantages`, `identity`, or one added with
 `register_driver_op(name, "package.module:attr")`) or a direct "package.module:attr".
+A module of hybridflow's own that has moved is read under its old name too (`MOVED`):
+topologies saved before the move (a checkpoint's meta.json, a run's topology file) name
+it there, and resuming them must not fail on the import.
 
 Params are checked at plan time too: a class checks them in its constructor; a function
 declares the keys it reads with `@reads_params("expr", "output", check=...)`, so a key
@@ -48,6 +51,21 @@ DRIVER_OPS: dict[str, str] = {
     "identity": "hybridflow.pipeline.driver.registry:identity",
     "advantages": "hybridflow.pipeline.driver.rl_ops:Advantages",
 }
+
+
+# Old module -> where it lives now, for the "package.module:attr" ops of hybridflow's own
+# that the step-logic compiler writes into every topology (and so into every saved one).
+# Only ever added to: a name a saved topology holds must keep resolving.
+MOVED: dict[str, str] = {
+    # issue 26: the runtime arithmetic left the compiler for the driver
+    "hybridflow.pipeline.compiler.expr": "hybridflow.pipeline.driver.expr",
+}
+
+
+def current_target(target: str) -> str:
+    """`"package.module:attr"` with a moved module (`MOVED`) renamed to where it is now."""
+    module, sep, attr = target.partition(":")
+    return f"{MOVED[module]}{sep}{attr}" if sep and module in MOVED else target
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -92,7 +110,7 @@ def resolve_driver_op(
 ) -> DriverFn:
     """The callable behind `op`; ConfigError at `path` if it does not exist, or (for a
     class) whatever its constructor finds wrong with `topology.dataflow[index]`."""
-    target = DRIVER_OPS.get(op, op)
+    target = current_target(DRIVER_OPS.get(op, op))
     if ":" not in target:
         close = difflib.get_close_matches(op, list(DRIVER_OPS), n=1)
         raise ConfigError(
