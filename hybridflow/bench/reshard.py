@@ -8,7 +8,7 @@ the shapes of `tiny`), so the smoke test exercises every path the full run takes
                     floor of any reshard that ends in another buffer on this host
   colocated_s       in process, what actor.reshard does in the hybrid engine:
                     `HFRollout.update_weights(actor.named_weights())`
-  disaggregated_s   between two processes over the transport (pipeline/weight_sync.py):
+  disaggregated_s   between two processes over the transport (pipeline/host/weight_sync.py):
                     actor.reshard -> rollout.load_weights, bucketed (weight_bucket_mb),
                     through pooled shared memory; the sender's time for one version,
                     from the first bucket until every bucket is loaded. With real roles

@@ -128,7 +128,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Where and how often a run checkpoints (pipeline/checkpoint/store.py writes them).
+    """Where and how often a run checkpoints (pipeline/checkpoint/checkpointer.py writes them).
 
     The YAML `checkpoint:` section and the Python API's `Engine.save_checkpoint` both
     make one. A checkpoint is taken after every `save_interval` steps and after the last

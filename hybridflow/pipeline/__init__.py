@@ -5,10 +5,10 @@
 
 Public entry points (imported lazily: `python -m hybridflow.pipeline.runtime.launcher`, which every
 stage process runs, must not import the whole runtime first):
-  run_topology, RunResult                        runner.py / coordinator.py
-  build_plan, Plan                               topology.py
-  Launcher, LocalLauncher, ProcessSpec           launcher.py
-  register_source, register_driver_op, register_sink   extension registries
+  run_topology, RunResult                        runtime/runner.py, runtime/coordinator/
+  build_plan, Plan                               plan/planner.py
+  Launcher, LocalLauncher, ProcessSpec           runtime/launcher.py
+  register_source, register_driver_op, register_sink   sources/, driver/, observe/ registries
 """
 
 from __future__ import annotations

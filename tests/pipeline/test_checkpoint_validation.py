@@ -4,9 +4,10 @@ is checked (size, header) before a byte is loaded, and each failure is one line 
 the file and the key (a ConfigError: exit 2 through the CLI). A damaged newest checkpoint
 is refused, never silently replaced by an older one.
 
-Checkpoints here are built in-process with the store's own writers (a trainer role's
-shards through DCP), with the meta.json of the `grpo` preset's topology, so a sound one
-passes `resume_point` exactly as `hybridflow run grpo --resume latest` checks it.
+Checkpoints here are built in-process with the checkpoint package's own writers
+(checkpointer.py, stage.py; a trainer role's shards through DCP), with the meta.json of
+the `grpo` preset's topology, so a sound one passes `resume_point` exactly as
+`hybridflow run grpo --resume latest` checks it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Scheduler ordering rules, without processes: the real Scheduler and the real synthetic
 role, with a simulated cluster that completes queued tasks in a seeded random order
-(FIFO per replica, as a stage process does). Every rule of pipeline/scheduler.py is
+(FIFO per replica, as a stage process does). Every rule of pipeline/runtime/scheduler.py is
 checked on the event log of many interleavings."""
 
 from __future__ import annotations

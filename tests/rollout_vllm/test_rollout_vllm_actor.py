@@ -6,7 +6,7 @@
     arrives: vllm_compat feeds it).
 (2) A short GRPO run (the `grpo` preset, made smaller) with the vllm backend learns, the
     same whether the engine is colocated with the actor or in its own stage process fed
-    over the transport (pipeline/weight_sync.py), and like the hf backend on the same run.
+    over the transport (pipeline/host/weight_sync.py), and like the hf backend on the same run.
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def arith(batch: Batch, params: dict[str, Any]) -> tuple[Batch, dict[str, float]
 
 
 class ScoreAdvantages:
-    """The `advantages` driver op (pipeline/rl_ops.py) reading its score from another
+    """The `advantages` driver op (pipeline/driver/rl_ops.py) reading its score from another
     value than the reward role's `rewards`: what a logic line such as
     `loss = ppo_loss(2.0 * reward_score)` compiles to (the score is an arith output).
 

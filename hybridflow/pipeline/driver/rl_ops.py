@@ -162,7 +162,7 @@ class AdvantageParams(EstimatorOptions):
 
 
 class Advantages:
-    """The `advantages` driver op; one instance per run (see driver.py)."""
+    """The `advantages` driver op; one instance per run (see driver/registry.py)."""
 
     def __init__(self, topology: Topology, index: int) -> None:
         cfg = topology.dataflow[index]
