@@ -63,12 +63,12 @@ class RunConfig:
                 f"{self.micro_batch} does not divide run.step_batch {self.step_batch}; "
                 f"use one of {', '.join(map(str, divisors[:12]))}",
             )
-        if self.mode == "sequential" and self.max_offpolicy_steps:
-            raise ConfigError(
-                join(path, "max_offpolicy_steps"),
-                f"must be 0 when run.mode is 'sequential' (steps never overlap there), "
-                f"got {self.max_offpolicy_steps}",
-            )
+        require(
+            self.mode != "sequential" or not self.max_offpolicy_steps,
+            join(path, "max_offpolicy_steps"),
+            "must be 0 when run.mode is 'sequential' (steps never overlap there), "
+            f"got {self.max_offpolicy_steps}",
+        )
 
 
 @dataclass(frozen=True)

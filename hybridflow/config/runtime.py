@@ -10,7 +10,15 @@ from typing import Literal
 
 import zmq
 
-from hybridflow.config.checks import MAX_HWM, at_least, at_most, finite_positive, join, positive
+from hybridflow.config.checks import (
+    MAX_HWM,
+    at_least,
+    at_most,
+    finite_positive,
+    join,
+    positive,
+    require,
+)
 from hybridflow.errors import ConfigError
 
 
@@ -47,12 +55,12 @@ class LivenessConfig:
             "control_timeout_s",
         ):
             positive(getattr(self, key), join(path, key))
-        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ConfigError(
-                join(path, "heartbeat_timeout_s"),
-                f"must be greater than liveness.heartbeat_interval_s "
-                f"({self.heartbeat_interval_s}), got {self.heartbeat_timeout_s}",
-            )
+        require(
+            self.heartbeat_timeout_s > self.heartbeat_interval_s,
+            join(path, "heartbeat_timeout_s"),
+            f"must be greater than liveness.heartbeat_interval_s "
+            f"({self.heartbeat_interval_s}), got {self.heartbeat_timeout_s}",
+        )
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,11 @@ class MetricsConfig:
 
     def validate(self, path: str) -> None:
         at_least(self.samples_per_step, 0, join(path, "samples_per_step"))
+
+
+# The metrics of a side job that leaves no trace of its own (a validation job, an Engine's
+# generation): its steps are not the run's; what it measures is reported by its caller.
+NO_METRICS = MetricsConfig(backends=("null",))
 
 
 @dataclass(frozen=True)

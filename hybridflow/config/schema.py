@@ -35,6 +35,7 @@ from hybridflow.config.dataflow import RESERVED_PARAMS, OpConfig
 from hybridflow.config.loader import apply_overrides, from_dict, load_yaml
 from hybridflow.config.run import DataConfig, RunConfig, ValidationConfig
 from hybridflow.config.runtime import (
+    NO_METRICS,
     CheckpointConfig,
     LivenessConfig,
     MetricsConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "DRIVER_ROLE",
     "LOG_LEVELS",
     "MAX_SEED",
+    "NO_METRICS",
     "PRESET_DIR",
     "RESERVED_PARAMS",
     "CheckpointConfig",

@@ -3,12 +3,15 @@ trip, and the errors build() raises before any process starts. No processes here
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from hybridflow import DataflowBuilder, Engine
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import CompileError, ConfigError
+from hybridflow.pipeline.api.declared import training_topology
 from hybridflow.pipeline.api.placement import normalize, place
 from hybridflow.pipeline.plan.planner import build_plan, describe
 
@@ -115,6 +118,19 @@ def test_to_yaml_round_trip_builds_the_same_plan(tmp_path):
     assert loaded == built
     a, b = build_plan(loaded), build_plan(built)
     assert a.config_hash == b.config_hash and describe(a) == describe(b)
+
+
+def test_topology_takes_and_shows_training_topologys_settings(tmp_path):
+    """The settings are written once (declared.training_topology); the builder forwards
+    them, and its signature (help(), the API reference) is theirs."""
+    shown = inspect.signature(DataflowBuilder.topology).parameters
+    theirs = inspect.signature(training_topology).parameters
+    assert list(shown) == ["self", *(k for k, p in theirs.items() if p.kind is p.KEYWORD_ONLY)]
+    assert all(shown[k].default == theirs[k].default for k in list(shown)[1:])
+    df = issue_builder()
+    assert df.topology(steps=3, log_dir=tmp_path).run.steps == 3
+    with pytest.raises(TypeError, match="stepz"):
+        df.topology(stepz=3)
 
 
 def test_builder_topologies_equal_the_bundled_presets():

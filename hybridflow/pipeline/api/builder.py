@@ -34,6 +34,7 @@ their stage process); one seed drives every stage.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -272,36 +273,14 @@ class DataflowBuilder:
         return self._compiled[1]
 
     # -- build ----------------------------------------------------------------------------
-    def topology(
-        self,
-        *,
-        dataset: Any = None,
-        steps: int = 1,
-        log_dir: str | Path | None = None,
-        metrics_backend: MetricsBackend = "jsonl",
-        log_level: str = "WARNING",
-        device_mapping: Mapping[str, Any] | None = None,
-        cuda_count: int | None = None,
-        multi_host: bool = False,
-        transport: Mapping[str, Any] | None = None,
-    ) -> Topology:
-        """The Topology these declarations stand for (validated). `transport`: its
-        `transport:` section (a multi-host launcher's), else the defaults."""
+    def topology(self, **settings: Any) -> Topology:
+        """The Topology these declarations stand for (validated). The keyword settings
+        are pipeline/api/declared.py `training_topology`'s, forwarded (and shown as this
+        method's signature); `transport` is the `transport:` section (a multi-host
+        launcher's), else the defaults."""
         if "actor" not in self._roles:
             raise ConfigError("add_actor", "a job needs an actor (df.add_actor)")
-        return training_topology(
-            self.declared(),
-            self.compile(),
-            dataset=dataset,
-            steps=steps,
-            log_dir=log_dir,
-            metrics_backend=metrics_backend,
-            log_level=log_level,
-            device_mapping=device_mapping,
-            cuda_count=cuda_count,
-            multi_host=multi_host,
-            transport=transport,
-        )
+        return training_topology(self.declared(), self.compile(), **settings)
 
     def declared(self) -> Declared:
         """The declarations as they are now, frozen (a copy: later calls change none)."""
@@ -392,6 +371,19 @@ class DataflowBuilder:
         if resume_from is not None:
             engine.resume(resume_from)
         return engine
+
+
+# The settings are written once, as training_topology's keywords; `inspect` (help(), the
+# API reference) shows them on the method that forwards them.
+def _keywords_of(fn: Any) -> inspect.Signature:
+    """`fn`'s keyword-only parameters as a method's signature (self, then them)."""
+    sig = inspect.signature(fn)
+    keywords = [p for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sig.replace(parameters=[this, *keywords])
+
+
+DataflowBuilder.topology.__signature__ = _keywords_of(training_topology)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ from typing import Any
 from hybridflow.config.fields import SEQUENCE_FIELDS
 from hybridflow.config.loader import from_dict, to_dict
 from hybridflow.config.schema import (
+    NO_METRICS,
     DataConfig,
-    MetricsConfig,
     OpConfig,
     RunConfig,
     Topology,
@@ -180,7 +180,7 @@ class Job:
                     },
                 ),
                 # A training step is logged with the others; a generation leaves no trace.
-                metrics=base.metrics if trains else MetricsConfig(backends=("null",)),
+                metrics=base.metrics if trains else NO_METRICS,
                 run_dir=base.run_dir if trains else str(self.log_dir / "generate"),
             )
         )

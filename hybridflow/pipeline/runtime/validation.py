@@ -49,8 +49,8 @@ import torch
 
 from hybridflow.config.schema import (
     DRIVER_ROLE,
+    NO_METRICS,
     DataConfig,
-    MetricsConfig,
     OpConfig,
     RunConfig,
     Topology,
@@ -188,7 +188,7 @@ class Validator:
                 dataflow=ops,
                 data=data,
                 run=_sizes(cfg, topo.run, self.samples),
-                metrics=MetricsConfig(backends=("null",)),
+                metrics=NO_METRICS,
                 checkpoint=None,
                 validation=None,
             )
