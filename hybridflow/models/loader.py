@@ -54,7 +54,9 @@ class ModelOptions:
     # every forward under bfloat16 autocast. Pure bfloat16 training (dtype: bfloat16)
     # loses updates smaller than bf16's resolution; this does not.
     autocast_bf16: bool = False
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"  # transformers' attention kernel
+    # transformers' attention kernel. flex_attention (torch.compile'd; GPU) masks packed
+    # documents (pack_sequences) without a T x T mask, skipping the masked blocks
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
     # The output head (lm_head; a critic's or reward model's score head) in float32 even
     # under bf16: rollout and trainer log-probs then differ by less (models/heads.py).
     fp32_lm_head: bool = False

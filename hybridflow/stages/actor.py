@@ -33,7 +33,7 @@ Ops (every batch uses the sequence layout of stages/common.py: prompt_ids/prompt
                   {parameter name: tensor} on CPU (-1: all); metrics weights/num_buckets,
                   weights/bytes. Buckets hold whole parameters, <= weight_bucket_mb each.
 
-How micro-batches, ppo_epochs and mini_batches map onto these events: see trainer.py.
+Micro-batches, ppo_epochs, mini_batches: trainer.py; token budgets, packing: packing.py.
 The loss: `policy_loss` (ppo: clip with clip_ratio_low/high, dual_clip_c | gspo:
 sequence ratio and clip | cispo: clipped IS weight x log-prob) - entropy_coef * entropy
 + kl_loss_coef * KL(kl_loss_type), all aggregated by `loss_agg_mode` (Dr. GRPO's
@@ -87,17 +87,19 @@ from hybridflow.stages.common import (
     chunked_no_grad,
     options_path,
     response_logprobs,
-    row_chunks,
     slice_rows,
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
+from hybridflow.stages.packing import PackingOptions, check_packing, forward_groups
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
 from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
 
 
 @dataclass
-class ActorOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions, LogprobOptions):
+class ActorOptions(
+    ModelOptions, TrainOptions, ShardingOptions, LoraOptions, LogprobOptions, PackingOptions
+):
     temperature: float = 1.0  # logits / temperature before log-probs: match the rollout's
     clip_ratio_low: float = 0.2  # PPO clip: ratios below 1 - this are clipped
     clip_ratio_high: float | None = None  # None: = clip_ratio_low
@@ -125,6 +127,7 @@ class ActorOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions, Log
         self.validate_sharding(path)
         self.validate_lora(path)
         self.validate_logprob(path)
+        self.validate_packing(path)
         if self.temperature <= 0:
             raise ConfigError(f"{path}.temperature", f"must be > 0, got {self.temperature}")
         if self.kl_loss_type not in (*KL_KINDS, *KL_ALIASES):
@@ -190,6 +193,7 @@ class Actor(ShardedModelRole, RoleBase):
                 # the frozen embeddings' output does not.
                 self.model.enable_input_require_grads()
         self.shard_if_asked(ctx, self.opts, trainable=True)
+        check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
         self.trainer = Trainer(
             self.model,
             self.opts,
@@ -198,6 +202,7 @@ class Actor(ShardedModelRole, RoleBase):
             prefix="actor",
             log=ctx.log,
             group=self.group,
+            split=self._groups,
         )
 
     def close(self) -> None:
@@ -245,35 +250,40 @@ class Actor(ShardedModelRole, RoleBase):
         return self.export_weights(int(params.get("bucket", -1)))
 
     def get_logprob(self, batch: Batch) -> Batch:
-        assert self.opts is not None
         check_sequences(batch, "actor.get_logprob", self.model.config.vocab_size)
-        n = batch["response_ids"].shape[0]
         lps, ents = [], []
         with torch.no_grad():
-            for rows in row_chunks(n, self.opts.forward_batch_size):
-                lp, ent = response_logprobs(
-                    self.model,
-                    slice_rows(batch, rows),
-                    self.device,
-                    self.opts.temperature,
-                    with_entropy=True,
-                    chunk_tokens=self.opts.logprob_chunk_tokens,
-                )
+            for rows in self._groups(batch):
+                lp, ent = self._logprobs(slice_rows(batch, rows), with_entropy=True)
                 assert ent is not None
                 lps.append(lp.float().cpu())
                 ents.append(ent.float().cpu())
         return {"old_logprobs": torch.cat(lps), "entropy": torch.cat(ents)}
 
-    def _logprobs_no_grad(self, batch: Batch) -> torch.Tensor:
+    def _groups(self, batch: Batch) -> Iterator[slice]:
+        """The row groups of one forward each (forward_batch_size rows or a token budget)."""
+        assert self.opts is not None
+        return forward_groups(batch, self.opts, self.opts.forward_batch_size)
+
+    def _logprobs(
+        self, mb: Batch, *, with_entropy: bool = False, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [b, R] (and entropy) of one forward, padded or packed per the options."""
         o = self.opts
         assert o is not None
-        return chunked_no_grad(
-            lambda b: response_logprobs(
-                self.model, b, self.device, o.temperature, chunk_tokens=o.logprob_chunk_tokens
-            )[0],
-            batch,
-            o.forward_batch_size,
+        return response_logprobs(
+            self.model,
+            mb,
+            self.device,
+            o.temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            chunk_tokens=o.logprob_chunk_tokens,
+            packed=o.pack_sequences,
         )
+
+    def _logprobs_no_grad(self, batch: Batch) -> torch.Tensor:
+        return chunked_no_grad(lambda b: self._logprobs(b)[0], batch, 0, groups=self._groups(batch))
 
     def update(self, batch: Batch) -> Metrics:
         o, t = self.opts, self.trainer
@@ -322,35 +332,14 @@ class Actor(ShardedModelRole, RoleBase):
         norm_len = float(o.loss_norm_len) if o.loss_norm_len > 0 else None
         mask = mb.get("loss_mask", mb["response_mask"]).to(dev)
         old_logprobs = mb["old_logprobs"].to(dev, torch.float32)
-        stats: dict[str, float] = {}
-        weights = None
-        if o.rollout_correction is not None:
-            corr = rollout_correction(
-                old_logprobs,
-                mb["rollout_logprobs"].to(dev, torch.float32),
-                mask,
-                o.rollout_correction,
-                cap=o.rollout_is_cap,
-                low=o.rollout_mis_low,
-                high=o.rollout_mis_high,
-            )
-            weights, mask = corr.weights, corr.mask.to(mask.dtype)
-            stats |= {f"rollout_corr/{k}": float(v) for k, v in corr.stats.items()}
+        weights, mask, stats = self._correction(mb, old_logprobs, mask)
         count = denominator(mask, agg)
         if count == 0 and self.group is None:
             # Every row dropped (dynamic sampling / MIS): nothing to learn here. A rank of
             # a sharded model still runs forward and backward (a zero loss): its peers'
             # collectives wait for it.
             return torch.zeros((), device=dev, requires_grad=True), 0, stats
-        logprobs, entropy = response_logprobs(
-            self.model,
-            mb,
-            dev,
-            o.temperature,
-            with_entropy=True,
-            entropy_grad=o.entropy_coef != 0,
-            chunk_tokens=o.logprob_chunk_tokens,
-        )
+        logprobs, entropy = self._logprobs(mb, with_entropy=True, entropy_grad=o.entropy_coef != 0)
         assert entropy is not None
         loss, st = policy_loss(
             o.policy_loss,
@@ -379,32 +368,65 @@ class Actor(ShardedModelRole, RoleBase):
             )
             loss = loss + bonus
         if "ref_logprobs" in mb:
-            ref = mb["ref_logprobs"].to(dev, torch.float32)
-            if o.kl_loss_coef > 0:
-                term, kst = kl_loss(
-                    logprobs,
-                    ref,
-                    mask,
-                    o.kl_loss_coef,
-                    o.kl_loss_type,
-                    agg,
-                    denom=1.0,
-                    norm_len=norm_len,
-                )
-                loss = loss + term
-                stats["kl"] = float(kst["kl_loss"]) / max(count, 1)
-            else:
-                with torch.no_grad():
-                    kl = kl_estimate(logprobs.detach(), ref, o.kl_loss_type, mask)
-                    stats["kl"] = float(aggregate(kl, mask, agg, norm_len=norm_len))
+            loss = loss + self._kl_term(logprobs, mb["ref_logprobs"], mask, count, stats)
         return loss, count, stats
+
+    def _correction(
+        self, mb: Batch, old_logprobs: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+        """Rollout correction (TIS/MIS) -> (token weights | None, the loss mask, stats)."""
+        o = self.opts
+        assert o is not None
+        if o.rollout_correction is None:
+            return None, mask, {}
+        corr = rollout_correction(
+            old_logprobs,
+            mb["rollout_logprobs"].to(self.device, torch.float32),
+            mask,
+            o.rollout_correction,
+            cap=o.rollout_is_cap,
+            low=o.rollout_mis_low,
+            high=o.rollout_mis_high,
+        )
+        stats = {f"rollout_corr/{k}": float(v) for k, v in corr.stats.items()}
+        return corr.weights, corr.mask.to(mask.dtype), stats
+
+    def _kl_term(
+        self,
+        logprobs: torch.Tensor,
+        ref: torch.Tensor,
+        mask: torch.Tensor,
+        count: int,
+        stats: Metrics,
+    ) -> torch.Tensor | float:
+        """The KL-to-reference loss term (sum form; 0 when kl_loss_coef is 0, the KL then
+        only reported); sets stats["kl"]."""
+        o = self.opts
+        assert o is not None
+        agg = o.loss_agg_mode
+        norm_len = float(o.loss_norm_len) if o.loss_norm_len > 0 else None
+        ref = ref.to(self.device, torch.float32)
+        if o.kl_loss_coef > 0:
+            coef, kind = o.kl_loss_coef, o.kl_loss_type
+            term, kst = kl_loss(logprobs, ref, mask, coef, kind, agg, denom=1.0, norm_len=norm_len)
+            stats["kl"] = float(kst["kl_loss"]) / max(count, 1)
+            return term
+        with torch.no_grad():
+            kl = kl_estimate(logprobs.detach(), ref, o.kl_loss_type, mask)
+            stats["kl"] = float(aggregate(kl, mask, agg, norm_len=norm_len))
+        return 0.0
 
     def _sft_loss(self, mb: Batch) -> tuple[torch.Tensor, int, dict[str, float]]:
         assert self.opts is not None
         agg = self.opts.loss_agg_mode
         mask = mb["response_mask"].to(self.device)
+        o = self.opts
         logprobs, _ = response_logprobs(
-            self.model, mb, self.device, chunk_tokens=self.opts.logprob_chunk_tokens
+            self.model,
+            mb,
+            self.device,
+            chunk_tokens=o.logprob_chunk_tokens,
+            packed=o.pack_sequences,
         )
         count = denominator(mask, agg)
         loss = aggregate(-logprobs, mask, agg, denom=1.0)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from hybridflow.errors import BatchError
 from hybridflow.models.head_logprobs import chunkable, model_head_logprobs
 from hybridflow.models.loader import ModelKind, ModelOptions, load_model, load_tokenizer
 from hybridflow.stages.base import Batch, StageContext
+from hybridflow.stages.packing import pack_rows, response_span, scatter_rows
 
 SEQUENCE_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 _CHUNK = 1024  # positions per float32 chunk in no-grad log-prob / entropy
@@ -110,13 +111,6 @@ def check_left_padded(mask: torch.Tensor, where: str) -> None:
         )
 
 
-def response_span(response_mask: torch.Tensor) -> torch.Tensor:
-    """[B, R] 0/1 -> [B, R] int64: 1 at every position up to each row's last 1 (the
-    response's real tokens, observations included), 0 in the right padding after it."""
-    m = response_mask.to(torch.int64)
-    return m.flip(-1).cummax(-1).values.flip(-1)
-
-
 def sequence_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, ...]:
     """-> input_ids [B, P+R], attention_mask [B, P+R], position_ids [B, P+R] (the
     response's attention is its span: module docstring)."""
@@ -138,11 +132,48 @@ def slice_rows(batch: Batch, rows: slice) -> Batch:
     return {k: v[rows] for k, v in batch.items()}
 
 
-def _forward_kwargs(model: torch.nn.Module, keep: int) -> dict[str, Any]:
+def _forward_kwargs(model: torch.nn.Module, keep: int | torch.Tensor) -> dict[str, Any]:
     params = inspect.signature(model.forward).parameters
     # `logits_to_keep` (transformers >= 4.50) computes the LM head on the last `keep`
-    # positions only: the prompt's logits are never materialised.
+    # positions only (or, a 1-D tensor, on those positions): the prompt's logits are
+    # never materialised.
     return {"logits_to_keep": keep} if "logits_to_keep" in params else {}
+
+
+Select = Callable[[torch.Tensor], torch.Tensor]  # model output [b, K, *] -> [N, *]
+
+
+def _layout(
+    model: torch.nn.Module, batch: Batch, device: torch.device, packed: bool
+) -> tuple[dict[str, Any], Select, torch.Tensor]:
+    """The model call for `batch` -> (its kwargs, `select`: its per-position output
+    [b, K, *] -> the N positions predicting a valid response token [N, *], in the order
+    of `valid` [B, R] (= response_mask != 0)). Padded: the module docstring's layout;
+    packed: stages/packing.py's, the same N positions in one [1, T] sequence."""
+    if not packed:
+        ids, mask, pos = sequence_inputs(batch, device)
+        r = batch["response_ids"].shape[1]
+        valid = batch["response_mask"].to(device) != 0
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+        inputs |= _forward_kwargs(model, r + 1)
+
+        def select(out: torch.Tensor) -> torch.Tensor:
+            # [B, K, *] (K = R + 1 with logits_to_keep, else P + R): position P - 1 + t
+            # predicts response token t.
+            return out[:, -(r + 1) : -1][valid]
+
+        return {**inputs, "use_cache": False}, select, valid
+    rows = pack_rows(batch, device)
+    # No attention mask: transformers builds the document mask from the restarting
+    # position ids (stages/packing.py).
+    inputs = {"input_ids": rows.input_ids, "position_ids": rows.position_ids}
+    kept = _forward_kwargs(model, rows.predict)
+    inputs |= kept
+
+    def select_packed(out: torch.Tensor) -> torch.Tensor:  # [1, N or T, *] -> [N, *]
+        return out[0] if kept else out[0, rows.predict]
+
+    return {**inputs, "use_cache": False}, select_packed, rows.valid
 
 
 def response_logits(
@@ -170,6 +201,7 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> logprobs [B, R] float32 of the response tokens (grad flows if enabled) and,
     with `with_entropy`, the policy entropy [B, R] (with grad only if `entropy_grad`).
@@ -178,11 +210,14 @@ def response_logprobs(
     `chunk_tokens > 0` (the roles' `logprob_chunk_tokens`): only the valid response
     positions reach the head, `chunk_tokens` of them at a time, in forward and backward
     (models/head_logprobs.py); no [B, R, V] logits exist. 0, or a model whose forward
-    transforms its head's logits (`chunkable`): the full logits, as before."""
+    transforms its head's logits (`chunkable`): the full logits, as before.
+    `packed`: the rows run as one packed sequence (stages/packing.py); same outputs."""
     if chunk_tokens > 0 and chunkable(model) is None:
         return _chunked_response_logprobs(
-            model, batch, device, temperature, with_entropy, entropy_grad, chunk_tokens
+            model, batch, device, temperature, with_entropy, entropy_grad, chunk_tokens, packed
         )
+    if packed:
+        return _packed_full_logprobs(model, batch, device, temperature, with_entropy, entropy_grad)
     logits = response_logits(model, batch, device, temperature)
     mask = batch["response_mask"].to(device)
     # Without grad, float32 temporaries are bounded to _CHUNK positions at a time (a
@@ -193,13 +228,38 @@ def response_logprobs(
     )
     entropy = None
     if with_entropy:
-        if entropy_grad:
-            entropy = entropy_from_logits(logits)
-        else:
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach(), chunk_size=_CHUNK)
+        entropy = _entropy(logits, entropy_grad)
         entropy = zero_padding(entropy, mask)
     return logprobs, entropy
+
+
+def _entropy(logits: torch.Tensor, grad: bool) -> torch.Tensor:
+    """logits [b, n, V] -> entropy [b, n] (without grad: float32 in _CHUNK positions)."""
+    if grad:
+        return entropy_from_logits(logits)
+    with torch.no_grad():
+        return entropy_from_logits(logits.detach(), chunk_size=_CHUNK)
+
+
+def _packed_full_logprobs(
+    model: torch.nn.Module,
+    batch: Batch,
+    device: torch.device,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """response_logprobs' full-logits path on a packed forward: [N, V] logits, never
+    [T, V] with logits_to_keep (the prompt positions get none)."""
+    inputs, select, valid = _layout(model, batch, device, packed=True)
+    logits = select(model(**inputs).logits).unsqueeze(0)  # [1, N, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = batch["response_ids"].to(device, torch.int64)[valid].unsqueeze(0)  # [1, N]
+    chunk = None if torch.is_grad_enabled() else _CHUNK
+    lp = logprobs_from_logits(logits, targets, chunk_size=chunk)[0]
+    ent = _entropy(logits, entropy_grad)[0] if with_entropy else None
+    return scatter_rows(lp, valid), (None if ent is None else scatter_rows(ent, valid))
 
 
 def _chunked_response_logprobs(
@@ -210,24 +270,10 @@ def _chunked_response_logprobs(
     with_entropy: bool,
     entropy_grad: bool,
     chunk_tokens: int,
+    packed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    ids, attn, pos = sequence_inputs(batch, device)
-    r = batch["response_ids"].shape[1]
-    valid = batch["response_mask"].to(device) != 0  # [B, R]: the N tokens that get logits
+    inputs, select, valid = _layout(model, batch, device, packed)
     targets = batch["response_ids"].to(device, torch.int64)[valid]  # [N]
-
-    def select(hidden: torch.Tensor) -> torch.Tensor:
-        # [B, K, H] (K = R + 1 with logits_to_keep, else P + R) -> [N, H]: position
-        # P - 1 + t predicts response token t.
-        return hidden[:, -(r + 1) : -1][valid]
-
-    inputs = {
-        "input_ids": ids,
-        "attention_mask": attn,
-        "position_ids": pos,
-        "use_cache": False,
-        **_forward_kwargs(model, r + 1),
-    }
     lp, ent = model_head_logprobs(
         model,
         inputs,
@@ -238,19 +284,19 @@ def _chunked_response_logprobs(
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
     )
-
-    def scatter(values: torch.Tensor) -> torch.Tensor:  # [N] -> [B, R], 0 at padding
-        return torch.zeros(valid.shape, dtype=values.dtype, device=device).masked_scatter(
-            valid, values
-        )
-
-    return scatter(lp), (None if ent is None else scatter(ent))
+    return scatter_rows(lp, valid), (None if ent is None else scatter_rows(ent, valid))
 
 
-def response_values(model: torch.nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+def response_values(
+    model: torch.nn.Module, batch: Batch, device: torch.device, packed: bool = False
+) -> torch.Tensor:
     """Critic values [B, R] float32: V(state before response token t), 0 at padding.
 
-    `model` is a token-classification model with one label (trunk + linear head)."""
+    `model` is a token-classification model with one label (trunk + linear head);
+    `packed`: its rows run as one packed sequence (stages/packing.py), same values."""
+    if packed:
+        inputs, select, valid = _layout(model, batch, device, packed=True)
+        return scatter_rows(select(model(**inputs).logits)[:, 0].float(), valid)
     ids, mask, pos = sequence_inputs(batch, device)
     r = batch["response_ids"].shape[1]
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
@@ -258,11 +304,15 @@ def response_values(model: torch.nn.Module, batch: Batch, device: torch.device) 
     return zero_padding(values, batch["response_mask"].to(device))
 
 
-def chunked_no_grad(fn: Any, batch: Batch, size: int) -> torch.Tensor:
-    """Run `fn(sub_batch) -> [b, ...]` over row chunks under no_grad; concatenate on CPU."""
+def chunked_no_grad(
+    fn: Any, batch: Batch, size: int, groups: Iterable[slice] | None = None
+) -> torch.Tensor:
+    """Run `fn(sub_batch) -> [b, ...]` over row chunks (`groups`, default: `size` rows at
+    a time) under no_grad; concatenate on CPU."""
     n = next(iter(batch.values())).shape[0]
+    rows = row_chunks(n, size) if groups is None else groups
     with torch.no_grad():
-        parts = [fn(slice_rows(batch, sl)).detach().float().cpu() for sl in row_chunks(n, size)]
+        parts = [fn(slice_rows(batch, sl)).detach().float().cpu() for sl in rows]
     return torch.cat(parts, dim=0)
 
 

@@ -16,12 +16,14 @@ init; a causal-LM directory loads the trunk and initialises the head (seeded).
 
 Loss: 0.5 * max((V - R)^2, (clip(V, V_old +- cliprange_value) - R)^2), aggregated by
 `loss_agg_mode` (hybridflow.algos.value_loss). Micro-batches, ppo_epochs, mini_batches
-and gradient accumulation behave exactly as for the actor (trainer.py). LoRA options
+and gradient accumulation behave exactly as for the actor (trainer.py), and so do the
+packing options (stages/packing.py: token-budget forwards, packed sequences). LoRA options
 (`lora_rank`, ...: models/lora.py) train adapters on the trunk and the whole value head.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,7 @@ from hybridflow.stages.common import (
     response_values,
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
+from hybridflow.stages.packing import PackingOptions, check_packing, forward_groups
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
 from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
@@ -50,7 +53,7 @@ _SEQUENCES = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
 @dataclass
-class CriticOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions):
+class CriticOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions, PackingOptions):
     cliprange_value: float | None = 0.5  # None: plain 0.5 * MSE
 
     def validate(self, path: str) -> None:
@@ -58,6 +61,7 @@ class CriticOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions):
         TrainOptions.validate(self, path)
         self.validate_sharding(path)
         self.validate_lora(path)
+        self.validate_packing(path)
         if self.cliprange_value is not None and self.cliprange_value < 0:
             raise ConfigError(f"{path}.cliprange_value", "must be >= 0 or null")
 
@@ -79,8 +83,15 @@ class Critic(ShardedModelRole, RoleBase):
         self.tokenizer, self.model = build_model(ctx, self.opts, "value")
         self.add_adapters(ctx, self.opts, "value")  # LoRA: the value head still trains whole
         self.shard_if_asked(ctx, self.opts, trainable=True)
+        check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
         self.trainer = Trainer(
-            self.model, self.opts, seed=ctx.seed, prefix="critic", log=ctx.log, group=self.group
+            self.model,
+            self.opts,
+            seed=ctx.seed,
+            prefix="critic",
+            log=ctx.log,
+            group=self.group,
+            split=self._groups,
         )
 
     def close(self) -> None:
@@ -112,12 +123,19 @@ class Critic(ShardedModelRole, RoleBase):
         assert self.trainer is not None
         return {}, self.trainer.step()
 
-    def _values_no_grad(self, batch: Batch) -> torch.Tensor:
+    def _groups(self, batch: Batch) -> Iterator[slice]:
+        """The row groups of one forward each (forward_batch_size rows or a token budget)."""
         assert self.opts is not None
+        return forward_groups(batch, self.opts, self.opts.forward_batch_size)
+
+    def _values_no_grad(self, batch: Batch) -> torch.Tensor:
+        o = self.opts
+        assert o is not None
         return chunked_no_grad(
-            lambda b: response_values(self.model, b, self.device),
+            lambda b: response_values(self.model, b, self.device, packed=o.pack_sequences),
             batch,
-            self.opts.forward_batch_size,
+            o.forward_batch_size,
+            groups=self._groups(batch),
         )
 
     def update(self, batch: Batch) -> Metrics:
@@ -149,7 +167,7 @@ class Critic(ShardedModelRole, RoleBase):
         assert o is not None
         dev = self.device
         mask = mb["response_mask"].to(dev)
-        values = response_values(self.model, mb, dev)
+        values = response_values(self.model, mb, dev, packed=o.pack_sequences)
         count = denominator(mask, o.loss_agg_mode)
         loss, st = value_loss(
             values,

@@ -6,7 +6,8 @@
 
 Built from the same `model` options (and the same run seed) as the actor, it holds the
 actor's initial weights bit for bit; nothing ever trains it, so it has no state to
-checkpoint (it is rebuilt identically on resume).
+checkpoint (it is rebuilt identically on resume). Its forwards take the packing options
+of stages/packing.py (token-budget row groups, packed sequences) as the actor's do.
 
 The reference from the same weights (`share_base`): colocated with a LoRA actor whose
 model options are its own, the reference holds no model of its own; it runs the actor's
@@ -40,12 +41,13 @@ from hybridflow.stages.common import (
     response_logprobs,
 )
 from hybridflow.stages.contract import RoleBase, op
+from hybridflow.stages.packing import PackingOptions, check_packing, forward_groups
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
 
 
 @dataclass
-class ReferenceOptions(ModelOptions, ShardingOptions, LogprobOptions):
+class ReferenceOptions(ModelOptions, ShardingOptions, LogprobOptions, PackingOptions):
     temperature: float = 1.0  # must match the actor's
     forward_batch_size: int = 0  # rows per forward (0: the whole micro-batch)
     # The colocated LoRA actor's base weights instead of a copy (module docstring):
@@ -56,6 +58,7 @@ class ReferenceOptions(ModelOptions, ShardingOptions, LogprobOptions):
         ModelOptions.validate(self, path)
         self.validate_sharding(path)
         self.validate_logprob(path)
+        self.validate_packing(path)
         if self.temperature <= 0:
             raise ConfigError(f"{path}.temperature", f"must be > 0, got {self.temperature}")
 
@@ -99,6 +102,7 @@ class Reference(ShardedModelRole, RoleBase):
         self.model.requires_grad_(False)
         # Sharded only with `fsdp: true` (frozen: its replicas may as well be full copies).
         self.shard_if_asked(ctx, self.opts, trainable=False)
+        check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
 
     def bind_colocated(self) -> None:
         """Share a colocated role's base model, or load one's own (module docstring).
@@ -114,6 +118,7 @@ class Reference(ShardedModelRole, RoleBase):
                 why.append(f"{name}: {got}")
                 continue
             self.model, self.base_context = got
+            check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
             ctx.log.info("reference: %s's base weights, adapters disabled (no copy)", name)
             return
         if self.opts.share_base:
@@ -138,9 +143,11 @@ class Reference(ShardedModelRole, RoleBase):
                     self.device,
                     opts.temperature,
                     chunk_tokens=opts.logprob_chunk_tokens,
+                    packed=opts.pack_sequences,
                 )[0],
                 batch,
                 opts.forward_batch_size,
+                groups=forward_groups(batch, opts, opts.forward_batch_size),
             )
         return {"ref_logprobs": ref}, {}
 

@@ -21,7 +21,13 @@ Loss normalisation: a loss function returns its *sum form* (the algos' `aggregat
 `denom=1`) and its own denominator (valid tokens for token-mean, non-empty rows for the
 sequence modes). Gradients are divided by the total denominator of the mini-batch just
 before clipping, so the update equals one big-batch update whatever the micro-batch
-split (tested) and no role needs to know M in advance.
+split (tested) and no role needs to know M in advance. The same holds inside a
+micro-batch: its forwards (`split`: `forward_batch_size` rows, or the token-budget groups
+of stages/packing.py) are row groups, every aggregation mode's sum form is a sum over
+rows of a quantity of that row alone, and the denominators add up; so what is held equal
+across any split is (sum of the groups' sum-form losses) / (sum of their denominators),
+per token exactly the big-batch value (tested for token-budget groups,
+tests/stages/test_stages_packing.py).
 
 Sharded (FSDP, stages/parallel/): each rank accumulates its share of every micro-batch;
 the denominator and the reported sums are summed over the ranks before use, and FSDP's
@@ -39,7 +45,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -54,6 +60,8 @@ from hybridflow.stages.parallel.group import Group
 
 # (micro-batch rows) -> (loss in sum form with grad, denominator, per-row-mean stats)
 LossFn = Callable[[Batch], tuple[torch.Tensor, int, dict[str, float]]]
+# (micro-batch) -> the row groups that run one forward+backward each, covering every row
+Split = Callable[[Batch], Iterable[slice]]
 
 
 @dataclass
@@ -130,8 +138,10 @@ class Trainer:
         prefix: str,
         log: logging.Logger,
         group: Group | None = None,
+        split: Split | None = None,
     ) -> None:
         self.model, self.opts, self.prefix, self.log = model, opts, prefix, log
+        self.split = split or (lambda mb: row_chunks(_rows(mb), opts.forward_batch_size))
         self.group = group  # set: the model is sharded over these ranks (FSDP)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -225,10 +235,9 @@ class Trainer:
         return dict(zip(keys, total[:n], strict=True)), dict(zip(keys, total[n:], strict=True))
 
     def _accumulate(self, mb: Batch, loss_fn: LossFn) -> dict[str, float]:
-        n = next(iter(mb.values())).shape[0]
         mb_sum: dict[str, float] = {}
         mb_weight = 0
-        for rows in row_chunks(n, self.opts.forward_batch_size):
+        for rows in self.split(mb):
             loss, denom, stats = loss_fn(slice_rows(mb, rows))
             if not torch.isfinite(loss):
                 raise FloatingPointError(
@@ -288,3 +297,7 @@ class Trainer:
             self.optimizer.load_state_dict(to_cpu(state["optimizer"]))  # never alias
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
+
+
+def _rows(mb: Batch) -> int:
+    return next(iter(mb.values())).shape[0]

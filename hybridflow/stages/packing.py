@@ -1,0 +1,170 @@
+"""Packed forwards and token-budget row groups for the model-backed roles (actor,
+reference, critic): what the model computes, not what it sees. Every op still takes and
+returns the padded layout of stages/common.py ([B, P] prompts, [B, R] responses).
+
+Two options (`PackingOptions`, mixed into each role's options), each off by default:
+
+  max_tokens_per_micro_batch: K > 0   a micro-batch reaches the model in groups of
+                                      consecutive rows whose real tokens (prompt tokens +
+                                      response span) sum to <= K; a row longer than K is a
+                                      group of its own; `forward_batch_size`, when also
+                                      set, still caps a group's rows. 0: groups of
+                                      `forward_batch_size` rows, as before.
+  pack_sequences: true                each group runs as ONE sequence of its rows' real
+                                      tokens back to back (no padding is computed).
+
+The budget counts real tokens whether or not the group is packed (the same rows form the
+same groups either way, so the two forwards can be compared group for group); a padded
+group still computes rows x (P + R) positions. They are two options, not one, because a
+budget is the memory bound of a packed forward (its length T) while packing on its own
+is one packed sequence per `forward_batch_size` rows.
+
+A packed group of B rows (document b: its prompt's real tokens, then its response span):
+
+    input_ids     [1, T]   T = sum of the rows' real tokens
+    position_ids  [1, T]   0, 1, ... restarting at every document: at each token exactly
+                           the padded path's cumsum(mask) - 1
+    predict       [N]      the packed index of the position that predicts each valid
+                           response token (response_mask 1), in row-major [B, R] order:
+                           the order `response_mask != 0` selects, so values scatter back
+                           to [B, R] unchanged
+
+Document-masked attention comes from transformers itself: called with no attention mask
+and position ids that restart, its mask builder (masking_utils.find_packed_sequence_indices,
+transformers >= 4.54) makes each document attend only to itself, for every kernel:
+`sdpa`/`eager` get a [1, 1, T, T] block-diagonal causal mask (materialised, and sdpa
+computes every block of it), `flex_attention` a BlockMask (blocks outside the documents
+are skipped, no T x T tensor), `flash_attention_*` varlen over the documents. So packing
+on a GPU pays off with a kernel that skips the masked blocks; with sdpa a long packed
+group can do more attention work than the padded rows it replaced.
+
+Invariants: a packed forward's per-token outputs equal the padded forward's up to float
+rounding (tests/stages/test_stages_packing.py); the groups partition the rows in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridflow.errors import ConfigError
+
+# transformers' attention kernels whose mask builder knows packed position ids.
+PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+@dataclass
+class PackingOptions:
+    """How a role groups a micro-batch's rows into forwards (module docstring)."""
+
+    # Real tokens (prompt + response) per forward/backward: consecutive rows up to this
+    # many form one forward, a longer row goes alone; 0: rows by forward_batch_size
+    max_tokens_per_micro_batch: int = 0
+    # Each forward as one packed sequence of its rows' real tokens (no padding), with
+    # document-masked attention. Off until measured on a GPU: with sdpa the packed mask
+    # is T x T and fully computed; flex_attention / flash skip the masked blocks
+    pack_sequences: bool = False
+
+    def validate_packing(self, path: str) -> None:
+        if self.max_tokens_per_micro_batch < 0:
+            raise ConfigError(
+                f"{path}.max_tokens_per_micro_batch" if path else "max_tokens_per_micro_batch",
+                f"must be >= 0 (0: rows by forward_batch_size), got "
+                f"{self.max_tokens_per_micro_batch}",
+            )
+
+
+def check_packing(opts: PackingOptions, model: Any, sharded: bool, path: str) -> None:
+    """ConfigError when the options cannot run on this model (at setup, not mid-step)."""
+    if opts.max_tokens_per_micro_batch > 0 and sharded:
+        # FSDP gathers each layer in every forward: ranks must run the same number of
+        # forwards, and token-budget groups of different rows differ in number.
+        raise ConfigError(
+            f"{path}.max_tokens_per_micro_batch",
+            "is not supported with a sharded model (fsdp): ranks would run different "
+            "numbers of forwards; set it to 0 and bound rows with forward_batch_size",
+        )
+    if opts.pack_sequences:
+        kernel = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if kernel not in PACKABLE_ATTENTION:
+            raise ConfigError(
+                f"{path}.pack_sequences",
+                f"needs an attention kernel that masks packed documents "
+                f"({', '.join(PACKABLE_ATTENTION)}); the model uses {kernel!r}",
+            )
+
+
+def response_span(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] 0/1 -> [B, R] int64: 1 at every position up to each row's last 1 (the
+    response's real tokens, observations included), 0 in the right padding after it."""
+    m = response_mask.to(torch.int64)
+    return m.flip(-1).cummax(-1).values.flip(-1)
+
+
+def row_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B] int64: each row's real tokens, the length of its packed document."""
+    prompt = batch["prompt_mask"].to(torch.int64).sum(-1)
+    return prompt + response_span(batch["response_mask"]).sum(-1)
+
+
+def row_groups(tokens: Sequence[int], budget: int, max_rows: int) -> Iterator[slice]:
+    """Consecutive row slices: each holds as many rows as fit `budget` tokens (<= 0: no
+    bound) and at most `max_rows` rows (<= 0: no bound); a row over the budget alone."""
+    start, used = 0, 0
+    for i, n in enumerate(tokens):
+        over_budget = budget > 0 and used + n > budget
+        if i > start and (over_budget or (max_rows > 0 and i - start >= max_rows)):
+            yield slice(start, i)
+            start, used = i, 0
+        used += n
+    if start < len(tokens):
+        yield slice(start, len(tokens))
+
+
+def forward_groups(
+    batch: dict[str, torch.Tensor], opts: PackingOptions, max_rows: int
+) -> Iterator[slice]:
+    """The row groups of one micro-batch's forwards (`max_rows`: forward_batch_size)."""
+    budget = opts.max_tokens_per_micro_batch
+    if budget > 0:
+        yield from row_groups(row_tokens(batch).tolist(), budget, max_rows)
+    else:
+        yield from row_groups([1] * batch["response_mask"].shape[0], max_rows, 0)
+
+
+@dataclass
+class PackedRows:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    predict: torch.Tensor  # [N] int64: packed positions predicting the valid response tokens
+    valid: torch.Tensor  # [B, R] bool: response_mask != 0, where the N values go
+
+
+def pack_rows(batch: dict[str, torch.Tensor], device: torch.device) -> PackedRows:
+    """The packed sequence of `batch`'s rows (module docstring)."""
+    p = batch["prompt_ids"].shape[1]
+    r = batch["response_ids"].shape[1]
+    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1).to(device, torch.int64)
+    keep = torch.cat(
+        [batch["prompt_mask"].to(torch.int64), response_span(batch["response_mask"])], dim=1
+    ).to(device)  # [B, P+R]: the real tokens, each row's document
+    real = keep.bool()
+    # The padded path's positions (cumsum(mask) - 1), read at the real tokens only.
+    pos = (keep.cumsum(-1) - 1)[real]
+    # Packed index of every kept [B, P+R] cell: the kept cells before it, row-major.
+    packed_at = keep.flatten().cumsum(0).view(keep.shape) - 1
+    valid = batch["response_mask"].to(device) != 0
+    # Column P - 1 + t predicts response token t; it is a real token for every valid t
+    # (the prompt's last token, which is never padding, or a response span token).
+    predict = packed_at[:, p - 1 : p - 1 + r][valid]
+    return PackedRows(ids[real].unsqueeze(0), pos.unsqueeze(0), predict, valid)
+
+
+def scatter_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[N] -> [B, R], 0 where `valid` is False (grad flows to `values`)."""
+    return torch.zeros(valid.shape, dtype=values.dtype, device=values.device).masked_scatter(
+        valid, values
+    )

@@ -1,0 +1,245 @@
+"""Packed forwards and token-budget micro-batches (stages/packing.py) equal the padded
+row-count path: the actor's log-probs, entropy, loss metrics, gradients and update, the
+reference's log-probs, the critic's values and update, and a LoRA actor's update.
+
+Tolerance: packing changes only the shapes the kernels see (one [1, T] sequence instead of
+[B, P + R] rows), so outputs agree to float32 rounding: 1e-5 absolute on log-probs,
+entropy and values; gradients to rtol 1e-4 / atol 1e-6; parameter deltas after one AdamW
+step (eps 1.0: linear in the gradient) to rtol 1e-4 / atol 1e-7.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from stage_helpers import TOK, make_role, sequences
+
+from hybridflow.data.batching import pad_left
+from hybridflow.errors import ConfigError
+from hybridflow.stages.actor import Actor
+from hybridflow.stages.critic import Critic
+from hybridflow.stages.packing import (
+    PackingOptions,
+    check_packing,
+    forward_groups,
+    pack_rows,
+    row_groups,
+    row_tokens,
+)
+from hybridflow.stages.reference import Reference
+from hybridflow.stages.rollout.hf import HFRollout
+
+# Prompts of 2 to 22 tokens, responses cut to 1 to 16 tokens (and one with an
+# observation inside a multi-turn response): rows of very different lengths.
+PROMPTS = ["a=", "copy:47=", "last:40719406719942=", "parity:1011010110=", "x:1="]
+RESP_LEN = [16, 1, 9, 4, 16, 2, 12, 7, 16, 3]
+
+PADDED = {"pack_sequences": False, "max_tokens_per_micro_batch": 0}
+# (name, packing options): packed in one sequence, packed under a budget that splits the
+# micro-batch into several groups, and the budget on the padded path alone.
+VARIANTS = [
+    ("packed", {"pack_sequences": True}),
+    ("packed+budget", {"pack_sequences": True, "max_tokens_per_micro_batch": 40}),
+    ("budget", {"max_tokens_per_micro_batch": 40}),
+]
+ACTOR = {
+    "model": "tiny",
+    "lr": 1e-2,
+    "eps": 1.0,  # AdamW's first step ~ lr * g: float noise stays small (see module doc)
+    "temperature": 0.8,
+    "entropy_coef": 0.01,
+    "kl_loss_coef": 0.1,
+}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rollout = make_role(HFRollout, "rollout", {"model": "tiny", "n": 2, "max_new_tokens": 16})
+    ids, mask = pad_left([TOK(t)["input_ids"] for t in PROMPTS], TOK.pad_token_id)
+    out, _ = rollout.handle(
+        "generate", {"prompt_ids": ids, "prompt_mask": mask}, {"step": 0, "mb_id": 0}
+    )
+    seqs = sequences(out)
+    rm = seqs["response_mask"]
+    rm[:] = 0
+    for row, n in enumerate(RESP_LEN):
+        rm[row, :n] = 1
+    rm[6, 3:6] = 0  # an observation inside a multi-turn response: attended, not trained
+    g = torch.Generator().manual_seed(0)
+    shape = seqs["response_ids"].shape
+    seqs["advantages"] = torch.randn(shape, generator=g) * rm
+    seqs["returns"] = torch.randn(shape, generator=g)
+    ref = make_role(Reference, "ref", {"model": "tiny", "temperature": 0.8})
+    lp = ref.handle("get_logprob", seqs, {})[0]["ref_logprobs"]
+    seqs["ref_logprobs"] = lp - 0.05 * seqs["advantages"].abs()
+    return seqs
+
+
+def _seqs(batch):
+    keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+    return {k: batch[k] for k in keys}
+
+
+def test_the_packed_layout_has_the_padded_positions_and_predicting_tokens(batch):
+    rows = pack_rows(batch, torch.device("cpu"))
+    assert rows.input_ids.shape[1] == int(row_tokens(batch).sum())
+    pos = rows.position_ids[0]
+    starts = torch.nonzero(pos == 0).flatten()
+    assert len(starts) == len(RESP_LEN)  # one document per row, positions restart
+    # Each predicting position holds the token before the one it predicts.
+    valid = batch["response_mask"] != 0
+    targets = batch["response_ids"][valid]
+    packed_ids = rows.input_ids[0]
+    assert torch.equal(packed_ids[rows.predict + 1], targets)
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+@pytest.mark.parametrize(("name", "packing"), VARIANTS)
+def test_actor_logprobs_and_entropy_packed_equal_padded(batch, chunk, name, packing):
+    seqs = _seqs(batch)
+    got = []
+    for opts in (PADDED, packing):
+        actor = make_role(Actor, "actor", {**ACTOR, **opts, "logprob_chunk_tokens": chunk})
+        got.append(actor.handle("get_logprob", seqs, {})[0])
+    for key in ("old_logprobs", "entropy"):
+        torch.testing.assert_close(got[1][key], got[0][key], atol=1e-5, rtol=0, msg=key)
+        assert bool((got[1][key][batch["response_mask"] == 0] == 0).all())
+
+
+def _update(opts, mb, cls=Actor, base=ACTOR):
+    role = make_role(cls, "role", {**base, **opts})
+    metrics = role.handle("update", mb, {})[1]
+    grads = {n: p.grad.clone() for n, p in role.model.named_parameters() if p.grad is not None}
+    before = {k: v.clone() for k, v in role.model.state_dict().items()}
+    step = role.handle("optimizer_step", {}, {})[1]
+    after = role.model.state_dict()
+    return metrics, grads, step, {k: after[k] - before[k] for k in after}
+
+
+def _assert_same_update(got, want, rel=1e-5):
+    (m1, g1, s1, d1), (m0, g0, s0, d0) = got, want
+    assert set(g1) == set(g0) and g0
+    for n, g in g0.items():
+        torch.testing.assert_close(g1[n], g, atol=1e-6, rtol=1e-4, msg=n)
+    for k in ("grad_norm", "pg_loss", "kl", "entropy", "vf_loss"):
+        for prefix in ("actor", "critic"):
+            if f"{prefix}/{k}" in s0:
+                assert s1[f"{prefix}/{k}"] == pytest.approx(s0[f"{prefix}/{k}"], rel=rel), k
+    assert any(bool(d.abs().max() > 0) for d in d0.values())  # it did train
+    for k, d in d0.items():
+        torch.testing.assert_close(d1[k], d, atol=1e-7, rtol=1e-4, msg=k)
+    assert m0 and set(m1) == set(m0)
+
+
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
+@pytest.mark.parametrize(("name", "packing"), VARIANTS)
+def test_actor_update_packed_equals_padded(batch, agg, name, packing):
+    """Loss aggregation sees the same per-token values, and the token-budget groups weigh
+    their sum-form losses by the micro-batch's one denominator (trainer.py): the same
+    gradients, metrics and parameter update as the padded whole micro-batch."""
+    base = {**ACTOR, "loss_agg_mode": agg, "loss_norm_len": 16}
+    want = _update(PADDED, batch, base=base)
+    _assert_same_update(_update(packing, batch, base=base), want)
+
+
+def test_actor_update_with_old_logprobs_computed_and_sft_packed(batch):
+    mb = {k: v for k, v in batch.items() if k != "ref_logprobs"}
+    base = {**ACTOR, "kl_loss_coef": 0.0, "logprob_chunk_tokens": 0}
+    packing = {"pack_sequences": True, "max_tokens_per_micro_batch": 30}
+    _assert_same_update(_update(packing, mb, base=base), _update(PADDED, mb, base=base))
+    sft = [
+        make_role(Actor, "actor", {"model": "tiny", **o}).handle("sft_update", _seqs(batch), {})[1]
+        for o in (PADDED, packing)
+    ]
+    assert sft[1]["actor/sft_loss"] == pytest.approx(sft[0]["actor/sft_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize(("name", "packing"), VARIANTS)
+def test_reference_logprobs_packed_equal_padded(batch, name, packing):
+    got = [
+        make_role(Reference, "ref", {"model": "tiny", "temperature": 0.8, **o}).handle(
+            "get_logprob", _seqs(batch), {}
+        )[0]["ref_logprobs"]
+        for o in (PADDED, packing)
+    ]
+    torch.testing.assert_close(got[1], got[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("name", "packing"), VARIANTS)
+def test_critic_values_and_update_packed_equal_padded(batch, name, packing):
+    base = {"model": "tiny", "lr": 1e-2, "eps": 1.0}
+    values = [
+        make_role(Critic, "critic", {**base, **o}).handle("values", _seqs(batch), {})[0]["values"]
+        for o in (PADDED, packing)
+    ]
+    torch.testing.assert_close(values[1], values[0], atol=1e-5, rtol=0)
+    mb = {**_seqs(batch), "returns": batch["returns"]}  # values computed in the update
+    want = _update(PADDED, mb, cls=Critic, base=base)
+    _assert_same_update(_update(packing, mb, cls=Critic, base=base), want)
+
+
+def test_a_lora_actor_update_packed_equals_padded(batch):
+    pytest.importorskip("peft")
+    base = {**ACTOR, "lora_rank": 4, "lora_alpha": 8.0}
+    packing = {"pack_sequences": True, "max_tokens_per_micro_batch": 40}
+    _assert_same_update(_update(packing, batch, base=base), _update(PADDED, batch, base=base))
+
+
+# -- token-budget groups -----------------------------------------------------------------
+def test_row_groups_fit_the_budget_and_a_longer_row_goes_alone():
+    tokens = [3, 5, 2, 12, 4, 4, 1]
+    assert list(row_groups(tokens, 10, 0)) == [slice(0, 3), slice(3, 4), slice(4, 7)]
+    # Exact fits close a group at the budget; the next row opens one.
+    assert list(row_groups([5, 5, 5, 5], 10, 0)) == [slice(0, 2), slice(2, 4)]
+    assert list(row_groups([11, 11], 10, 0)) == [slice(0, 1), slice(1, 2)]
+    # forward_batch_size still caps the rows of a group.
+    assert list(row_groups([1] * 5, 100, 2)) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    # No budget: forward_batch_size rows (0: the whole micro-batch), as before.
+    assert list(row_groups([1] * 5, 2, 0)) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert list(row_groups([1] * 5, 0, 0)) == [slice(0, 5)]
+
+
+def test_forward_groups_count_prompt_and_response_span_tokens(batch):
+    tokens = row_tokens(batch)
+    prompt = batch["prompt_mask"].sum(-1)
+    assert int(tokens[6] - prompt[6]) == RESP_LEN[6]  # the observation's tokens count
+    budget = int(tokens.max())  # the longest row fits exactly
+    groups = list(forward_groups(batch, PackingOptions(max_tokens_per_micro_batch=budget), 0))
+    assert groups[0].start == 0 and groups[-1].stop == len(RESP_LEN)
+    assert all(a.stop == b.start for a, b in itertools.pairwise(groups))
+    assert all(int(tokens[g].sum()) <= budget for g in groups)
+    assert len(groups) > 1
+
+
+# -- options ------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [Actor, Reference, Critic])
+def test_a_negative_token_budget_names_the_key(cls):
+    with pytest.raises(ConfigError, match=r"options\.max_tokens_per_micro_batch.*>= 0"):
+        make_role(cls, "s", {"model": "tiny", "max_tokens_per_micro_batch": -1})
+
+
+def test_bad_packing_values_are_config_errors():
+    with pytest.raises(ConfigError, match="pack_sequences"):
+        make_role(Actor, "s", {"model": "tiny", "pack_sequences": "yes"})
+    with pytest.raises(ConfigError, match=r"x\.max_tokens_per_micro_batch.*sharded"):
+        check_packing(PackingOptions(max_tokens_per_micro_batch=64), None, True, "x")
+
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="paged|eager"))
+    with pytest.raises(ConfigError, match=r"x\.pack_sequences.*paged\|eager"):
+        check_packing(PackingOptions(pack_sequences=True), model, False, "x")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flex_attention)")
+def test_packed_flex_attention_on_cuda_equals_padded_sdpa(batch):
+    """The GPU path: FlexAttention's BlockMask from the packed position ids (no T x T)."""
+    got = []
+    for opts in (PADDED, {"pack_sequences": True, "attn_implementation": "flex_attention"}):
+        actor = make_role(Actor, "actor", {**ACTOR, **opts}, device=torch.device("cuda:0"))
+        got.append(actor.handle("get_logprob", _seqs(batch), {})[0]["old_logprobs"])
+    torch.testing.assert_close(got[1], got[0], atol=1e-4, rtol=0)
