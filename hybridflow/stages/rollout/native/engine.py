@@ -120,6 +120,9 @@ class NativeEngine:
         self._ids = itertools.count()
         self._truncating = 0  # live rows that need the top-k/top-p sampling path
         self._tick = 0  # decode steps so far (the scheduler's clock for attended lengths)
+        # Cache positions any slot may hold valid K/V at (running rows and parked sessions
+        # alike): slot moves copy only these. Back to 0 when no slot holds anything.
+        self._high = 0
         self.logits: torch.Tensor | None = None  # [S, V] float32, the decode step's output
         self.stats = {
             "steps": 0,
@@ -186,6 +189,7 @@ class NativeEngine:
     def abort_all(self) -> list[int]:
         """Drop every request (after a failed step); returns their ids."""
         ids = self.scheduler.abort_all()
+        self._high = 0
         self._live.clear()
         self.sessions.clear()
         self._truncating = 0
@@ -213,7 +217,9 @@ class NativeEngine:
         pairs = [(src, dst) for dst, src in origin.items() if src != dst]
         if pairs:
             src, dst = zip(*pairs, strict=True)
-            self.cache.move(list(src), list(dst))
+            self.cache.move(list(src), list(dst), upto=self._high)
+        if not (self.scheduler.active or self.scheduler.parked):
+            self._high = 0
 
     def _check_session(self, request: Request, where: str) -> None:
         """A session's request: one row; its parked K/V is kept only if this prompt
@@ -289,7 +295,9 @@ class NativeEngine:
         if b == 0:
             return outputs
         truncate = self._truncating > 0
-        n = pick(self.lengths, self.scheduler.attended(self._tick), "positions")
+        attended = self.scheduler.attended(self._tick)
+        self._high = max(self._high, attended)
+        n = pick(self.lengths, attended, "positions")
         if self.graphs is not None:
             self.graphs.replay(b, n, truncate)
         else:
@@ -329,6 +337,7 @@ class NativeEngine:
         c, dev = self.cache, self.device
         prompts = [self._live[rid].request.prompts[p] for rid, p in adm.prompts]
         lengths = torch.tensor([x.numel() for x in prompts], dtype=torch.int64)  # [U]
+        self._high = max(self._high, int(lengths.max()))
         slots = torch.tensor(adm.slots, dtype=torch.int64, device=dev)  # [R]
         group = torch.tensor(adm.group, dtype=torch.int64)  # [R]
         c.init_rows(slots, (lengths - 1)[group].to(dev), self._row_params(adm.rows))

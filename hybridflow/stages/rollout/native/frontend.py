@@ -2,6 +2,7 @@
 
     caller (any thread / event loop)             engine thread "hybridflow-native-engine"
       submit(req) -> Future ---- inbox ---->     add_request; step() while work remains;
+      submit_many(reqs, drop)                    (many at once: one wake-up)
       await generate(req) <--- set_result ---    a finished request resolves its future
       call(fn) -> result  ----- inbox ---->      fn(core) between steps, refused while any
                                                  request is in flight (weights, sleep, wake);
@@ -73,6 +74,21 @@ class AsyncEngine:
 
     async def generate(self, request: Request) -> RequestOutput:
         return await asyncio.wrap_future(self.submit(request))
+
+    def submit_many(
+        self, requests: Sequence[Request], drop: Sequence[Hashable] = ()
+    ) -> list[cf.Future[RequestOutput]]:
+        """Drop the sessions `drop`, then queue `requests`, as one inbox hand-over: the
+        engine thread wakes once and sees them all (submit.TickBatcher says why)."""
+        futures: list[cf.Future[Any]] = [cf.Future() for _ in requests]
+        with self._cv:
+            if self._closing:
+                raise EngineClosedError("native engine is closed")
+            if drop:
+                self._inbox.append(("drop", list(drop), cf.Future()))
+            self._inbox.extend(("request", r, f) for r, f in zip(requests, futures, strict=True))
+            self._cv.notify()
+        return futures
 
     def drop_sessions(self, sessions: Sequence[Hashable]) -> cf.Future[None]:
         """Free the parked K/V of ended sessions (no need to wait for it)."""

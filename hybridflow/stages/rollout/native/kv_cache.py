@@ -124,15 +124,24 @@ class SlotCache:
         "out_lp",
     )
 
-    def move(self, src: list[int], dst: list[int]) -> None:
-        """Copy the rows in slots `src` into slots `dst` (disjoint sets)."""
+    def move(self, src: list[int], dst: list[int], upto: int | None = None) -> None:
+        """Copy the rows in slots `src` into slots `dst` (disjoint sets). `upto`: the
+        positions (and generated tokens) worth copying, a bound on every moved row's
+        valid length (the engine's high-water mark); the rest of a destination slot keeps
+        its old, finite, masked values. Parking a session moves its slot twice per turn,
+        and copying whole slots cost the multi-turn benchmark 286 ms of device time
+        (bench/RESULTS.md)."""
         assert self.kv is not None
         s = torch.tensor(src, dtype=torch.int64, device=self.device)
         d = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        self.kv[:, :, d] = self.kv[:, :, s]
+        n = self.max_len if upto is None else max(1, min(int(upto), self.max_len))
+        kv = self.kv.narrow(4, 0, n)  # [layers, 2, S, Hkv, n, D] view
+        kv.index_copy_(2, d, kv.index_select(2, s))
         for name in self._per_slot[1:]:
             t = getattr(self, name)
-            t[d] = t[s]
+            if name in ("out_tok", "out_lp"):  # [S, L]: generated tokens < positions
+                t = t.narrow(1, 0, n)
+            t.index_copy_(0, d, t.index_select(0, s))
 
     def init_rows(
         self,

@@ -57,6 +57,7 @@ from hybridflow.stages.rollout.native import limits
 from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
 from hybridflow.stages.rollout.native.frontend import AsyncEngine, EngineClosedError
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
+from hybridflow.stages.rollout.native.submit import TickBatcher
 from hybridflow.stages.rollout.state import (
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
@@ -370,7 +371,8 @@ class _NativeTurns:
     continuous = True
 
     def __init__(self, engine: AsyncEngine, sampling: SamplingParams, seed: int, call: int):
-        self.engine, self.sampling, self.seed, self.call = engine, sampling, seed, call
+        self.engine = TickBatcher(engine)  # a turn boundary reaches the engine as one burst
+        self.sampling, self.seed, self.call = sampling, seed, call
         self.stop = set(sampling.stop_token_ids)
         self.reused = 0  # context positions the engine took from parked K/V
 
