@@ -1,6 +1,7 @@
 """Build once (issue 26 item 6): a run builds its data source once, and so tokenizes
 every prompt once; a run cut into jobs at the validation points shares that source and
-does not plan again; the validation set is read once; `hybridflow validate` plans once.
+does not plan again; the validation set is read once; `hybridflow validate` plans once;
+an Engine call builds its source once too.
 
 Counted where it happens: the data source classes' own `__init__` and `close`, and the
 `build_plan` the runtime's modules call."""
@@ -12,9 +13,11 @@ from typing import Any
 
 import pytest
 
+from hybridflow import DataflowBuilder
 from hybridflow.cli import main
 from hybridflow.config.loader import config_hash
 from hybridflow.config.schema import load_topology
+from hybridflow.pipeline.api import engine as engine_module
 from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.pipeline.runtime import runner, validation
 from hybridflow.pipeline.runtime.coordinator import RunResult
@@ -155,3 +158,37 @@ def test_validate_plans_once_and_reads_each_set_once(monkeypatch, capsys):
     assert capsys.readouterr().out.rstrip().endswith("ok")
     assert planned == ["grpo", "grpo-val"]  # the run's plan and the validation job's
     assert len(made) == 2  # the training set, the validation set: once each
+
+
+ENGINE_LOGIC = """
+response = actor.generate(prompt, n=2)
+reward_score = reward.score(prompt, response)
+loss = grpo_loss(reward_score)
+actor.update(loss)
+"""
+
+
+def test_an_engine_call_builds_its_data_source_once(tmp_path: Path, monkeypatch):
+    """Engine.train and Engine.run plan without a data check and hand the source they
+    build to the job, as run_topology does (runner.plan_run). The session's seam
+    (`run_job`) is faked, so no process starts."""
+    df = DataflowBuilder("once", seed=1)
+    df.add_actor("tiny", device_mapping="cpu", max_new_tokens=2)
+    df.add_reward_function("hybridflow.data.tasks:last_digit_reward")
+    df.define_training_step(["prompt"], ["loss", "rewards"], ENGINE_LOGIC)
+    df.configure(step_batch=4, micro_batch=4)
+    engine = df.build(metrics_backend="null", log_dir=tmp_path / "run")
+    session = _Session()
+    monkeypatch.setattr(engine, "_session_for", lambda plan, launch: session)
+    monkeypatch.setattr(engine_module, "run_outputs", lambda *a: {})  # the fake has none
+    made, closed = _count(monkeypatch, GroupedPrompts)
+
+    engine.train(steps=1)
+    assert len(made) == 1, f"train built the data source {len(made)} times"
+    assert session.jobs[-1][1]["source"] is made[0] and closed == made
+
+    made.clear()
+    closed.clear()
+    engine.run(["a prompt", "another"])
+    assert len(made) == 1, f"run built the data source {len(made)} times"
+    assert session.jobs[-1][1]["source"] is made[0] and closed == made

@@ -36,12 +36,13 @@ builder's declarations frozen at `build()`, the compiled step and the training T
 it holds no reference to the builder, so changing the builder afterwards changes no
 engine (build again). Each call builds its Topology from the training one by typed
 replacement (`Job.train_topology`, `sft_topology`, `run_topology`), plans it once and
-runs it. `run` sends the compiled step's own dataflow (so a logic with `actor.update`
-trains) and reads the declared outputs where `CompiledStep.outputs` says they are
-(pipeline/api/results.py, which also gives the shapes): per-sample values from the
-tensors the scheduler collects (`CompiledStep.collect`), step-level ones (a loss) from
-the step's metrics. `sft`'s op list is `job.SFT_OPS` (the step grammar has no SFT
-method yet).
+runs it; its data source is built once, beside the plan (runner.plan_run: the plan does
+not build one to check `data`), handed to the job and closed when the call ends. `run`
+sends the compiled step's own dataflow (so a logic with `actor.update` trains) and reads
+the declared outputs where `CompiledStep.outputs` says they are (pipeline/api/results.py,
+which also gives the shapes): per-sample values from the tensors the scheduler collects
+(`CompiledStep.collect`), step-level ones (a loss) from the step's metrics. `sft`'s op
+list is `job.SFT_OPS` (the step grammar has no SFT method yet).
 
 Invariant: `step` is the number of RL steps whose effects are in `state` (the
 checkpoint the next restart resumes from) and, while processes are up, in them; a call
@@ -50,8 +51,9 @@ that raises leaves `step` and `state` unchanged and stops the processes.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
     from hybridflow.pipeline.runtime.coordinator import RunResult
     from hybridflow.pipeline.runtime.session import Session
     from hybridflow.pipeline.runtime.validation import Validator
+    from hybridflow.pipeline.sources.registry import DataSource
 
 __all__ = ["Engine", "TrainResult"]
 
@@ -207,21 +210,22 @@ class Engine:
             raise ConfigError("steps", f"must be >= 1, got {steps}")
         job = self.job
         topo = job.train_topology(self.step + steps, dataset, self._validation(validation))
-        plan = build_plan(topo, check_devices=True)
         restore_stream_state(topo, self.state)  # an HF stream resumes from its own state
-        validator = self._validator(topo)
-        try:
-            # The job's processes are the training topology's: its plan launches them too.
-            res = self._job(
-                plan,
-                plan,
-                self.step,
-                self._checkpointer(self.step + steps - 1),
-                validator=validator,
-            )
-        finally:
-            if validator is not None:
-                validator.close()
+        with self._planned(topo) as (plan, source):
+            validator = self._validator(topo)
+            try:
+                # The job's processes are the training topology's: its plan launches them.
+                res = self._job(
+                    plan,
+                    plan,
+                    self.step,
+                    self._checkpointer(self.step + steps - 1),
+                    source,
+                    validator=validator,
+                )
+            finally:
+                if validator is not None:
+                    validator.close()
         save_stream_states(topo, res.checkpoints)
         self.step += steps
         return self._result(res, topo, job)
@@ -241,7 +245,8 @@ class Engine:
         validation = self._validation(given)
         assert validation is not None
         topo = self.job.validation_topology(validation)
-        plan = build_plan(topo, check_devices=True)
+        # The validation job reads its own set (the Validator's), never the training data.
+        plan = build_plan(topo, check_devices=True, check_data=False)
         validator = self._validator(topo)
         assert validator is not None
         try:
@@ -276,10 +281,10 @@ class Engine:
         given = {"lr": lr, "warmup_steps": warmup_steps}
         overrides = {k: v for k, v in given.items() if v is not None}
         sft = job.sft_topology(dataset, steps, batch_size, overrides)
-        plan = build_plan(sft.topology, check_devices=True)
-        launch = plan if sft.restart else None  # other actor options than the processes'
         cfg = CheckpointConfig(str(self.log_dir / "sft" / "checkpoints"), 0, 1)
-        res = self._job(plan, launch, 0, Checkpointer(cfg, steps - 1, job.extra()))
+        with self._planned(sft.topology) as (plan, source):
+            launch = plan if sft.restart else None  # other actor options than the processes'
+            res = self._job(plan, launch, 0, Checkpointer(cfg, steps - 1, job.extra()), source)
         policy = Path(res.checkpoints[-1]) / "policy"
         if sft.lora:
             policy = policy / "merged"
@@ -301,11 +306,11 @@ class Engine:
             raise ConfigError("prompts", "give a non-empty list of non-empty prompt strings")
         job = self.job
         topo = job.run_topology(prompts, self.step)
-        plan = build_plan(topo, check_devices=True)
         # Same processes, dataflow and links as the training topology: it launches them.
         step, trains = self.step, job.compiled.trains
         checkpointer = self._checkpointer(step) if trains else None
-        res = self._job(plan, plan, step, checkpointer, collect=job.compiled.collect)
+        with self._planned(topo) as (plan, source):
+            res = self._job(plan, plan, step, checkpointer, source, collect=job.compiled.collect)
         if trains:
             self.step += 1
             self.history += [dict(m) for m in res.metrics]
@@ -333,18 +338,32 @@ class Engine:
         cfg = self.save or CheckpointConfig(self._default_dir(), 0, 1)
         return Checkpointer(cfg, last_step, self.job.extra())
 
+    @contextlib.contextmanager
+    def _planned(self, topo: Topology) -> Iterator[tuple[Plan, DataSource]]:
+        """`topo`'s plan and its data source, each built once (runner.plan_run); the
+        source is closed when the call ends."""
+        from hybridflow.pipeline.runtime.runner import plan_run
+
+        plan, source = plan_run(topo, check_devices=True)
+        try:
+            yield plan, source
+        finally:
+            source.close()
+
     def _job(
         self,
         plan: Plan,
         launch: Plan | None,
         start: int,
         checkpointer: Checkpointer | None,
+        source: DataSource,
         *,
         collect: Sequence[str] = (),
         validator: Validator | None = None,
     ) -> RunResult:
         """Run `plan` as a job on the processes that are up, starting them first (from
-        `launch`, else the training topology's plan) if none are up or they do not fit."""
+        `launch`, else the training topology's plan) if none are up or they do not fit.
+        `source`: the job's data source (the caller's, left open)."""
         from hybridflow.pipeline.runtime.runner import check_start
 
         check_start(plan.topology, start)
@@ -357,9 +376,10 @@ class Engine:
                     start_step=start,
                     checkpointer=checkpointer,
                     driver_state=self.state,
+                    source=source,
                 )
             else:
-                res = self._validated_job(session, plan, start, checkpointer, validator)
+                res = self._validated_job(session, plan, start, checkpointer, validator, source)
         except BaseException:
             self._session = None  # the session closed itself; the next call restarts
             self.close()
@@ -385,7 +405,10 @@ class Engine:
                 self._locks = take_locks(dirs, "Engine (Python API)")
             if launch is None:
                 training = self.job.topology
-                launch = plan if training == plan.topology else build_plan(training)
+                # Only its processes are used here: build() checked its data.
+                launch = (
+                    plan if training == plan.topology else build_plan(training, check_data=False)
+                )
             honour_log_level(launch.topology.log_level)
             session = Session(launch, launcher=self.launcher, resume_dir=self.state)
             self._session = session
@@ -398,11 +421,10 @@ class Engine:
         start: int,
         checkpointer: Checkpointer | None,
         validator: Validator,
+        source: DataSource,
     ) -> RunResult:
         """Training steps cut at the validation points (pipeline/runtime/training.py),
         one set of metrics sinks for the whole call."""
-        import contextlib
-
         from hybridflow.pipeline.observe.metrics import make_sinks
         from hybridflow.pipeline.runtime.session import run_dir_of
         from hybridflow.pipeline.runtime.training import run_training
@@ -418,6 +440,7 @@ class Engine:
                 checkpointer=checkpointer,
                 driver_state=self.state,
                 validator=validator,
+                source=source,
             )
         finally:
             for sink in sinks:
