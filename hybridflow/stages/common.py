@@ -33,13 +33,13 @@ import torch
 
 from hybridflow.algos.losses import entropy_from_logits, logprobs_from_logits
 from hybridflow.algos.utils import zero_padding
+from hybridflow.config.fields import SEQUENCE_FIELDS as SEQUENCE_FIELDS  # the roles' inputs
 from hybridflow.errors import BatchError
 from hybridflow.models.head_logprobs import chunkable, model_head_logprobs
 from hybridflow.models.loader import ModelKind, ModelOptions, load_model, load_tokenizer
 from hybridflow.stages.base import Batch, StageContext
 from hybridflow.stages.packing import pack_rows, response_span, scatter_rows
 
-SEQUENCE_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 _CHUNK = 1024  # positions per float32 chunk in no-grad log-prob / entropy
 
 

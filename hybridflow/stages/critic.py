@@ -49,8 +49,6 @@ from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
 from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
 
-_SEQUENCES = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
-
 
 @dataclass
 class CriticOptions(ModelOptions, TrainOptions, ShardingOptions, LoraOptions, PackingOptions):
@@ -143,7 +141,7 @@ class Critic(ShardedModelRole, RoleBase):
         where = "critic.update"
         check_sequences(batch, where, self.model.config.vocab_size)
         mask = batch["response_mask"]
-        mb = {k: batch[k] for k in _SEQUENCES}
+        mb = {k: batch[k] for k in SEQUENCE_FIELDS}
         for name in ("returns", "values"):
             if name not in batch:
                 continue

@@ -52,6 +52,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from hybridflow.config.fields import METADATA, SEQUENCE_FIELDS
 from hybridflow.config.loader import from_dict
 from hybridflow.data.batching import row_metadata
 from hybridflow.errors import BatchError
@@ -62,15 +63,9 @@ from hybridflow.stages.common import options_path
 from hybridflow.stages.contract import RoleBase, op
 from hybridflow.transport import aio
 
-_NOT_METADATA = (
-    "prompt_ids",
-    "prompt_mask",
-    "prompt_lengths",
-    "response_ids",
-    "response_mask",
-    "response_lengths",
-    "metadata_json",
-)
+# Batch fields that are not a sample's metadata: the sequences, the record they came
+# from, and two length names no built-in op produces (kept out if a batch has them).
+_NOT_METADATA = (*SEQUENCE_FIELDS, METADATA, "prompt_lengths", "response_lengths")
 
 log = logging.getLogger("hybridflow.stages.reward")
 

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from hybridflow.config.fields import GENERATE_INPUTS as GENERATE_INPUTS
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.loader import ModelOptions
 from hybridflow.stages.base import Batch, Metrics, Params
@@ -209,8 +210,8 @@ class RolloutState:
         return metrics
 
 
-# What every rollout backend's `generate` declares (the contract all three speak).
-GENERATE_INPUTS = ("prompt_ids", "prompt_mask")
+# What every rollout backend's `generate` declares (the contract all three speak); its
+# inputs are the table's (config/fields.py), its outputs add what a rollout passes on.
 GENERATE_OUTPUTS = (
     "prompt_ids",
     "prompt_mask",
