@@ -26,10 +26,14 @@ def test_the_options_are_the_estimators_options():
 
 
 def test_the_functions_default_to_the_table():
+    checked = set()
     for fn in (gae, grpo_advantages, reinforce_pp):
         for name, param in inspect.signature(fn).parameters.items():
             if hasattr(DEFAULTS, name):
                 assert param.default == getattr(DEFAULTS, name), (fn.__name__, name)
+                checked.add(name)
+    # every option is some function's keyword (a renamed one would be skipped in silence)
+    assert checked == {f.name for f in dataclasses.fields(EstimatorOptions)}
     assert DEFAULTS.lam == 1.0 and DEFAULTS.gamma == 1.0  # verl's algorithm.lam / gamma
 
 

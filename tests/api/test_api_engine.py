@@ -126,8 +126,13 @@ def test_final_policy_is_exported_for_transformers(reference, tmp_path):
     from hybridflow.pipeline.checkpoint.stage import policy_weights
 
     trained = policy_weights(last)  # assembled from the actor's shards
-    for name, value in model.state_dict().items():
-        if name in trained:  # the tied LM head is stored once, as the embedding
+    exported = model.state_dict()
+    # Every exported tensor is compared (a name the checkpoint spelled differently would
+    # otherwise be skipped in silence); the tied LM head is stored once, as the embedding.
+    assert sorted(set(exported) - set(trained)) == ["lm_head.weight"], sorted(trained)[:5]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for name, value in exported.items():
+        if name in trained:
             assert torch.equal(value, trained[name]), name
     assert tok("last:123=")["input_ids"]
 

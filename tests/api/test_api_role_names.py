@@ -8,7 +8,7 @@ import pytest
 
 from hybridflow import DataflowBuilder
 from hybridflow.config.stages import ROLE_KINDS, ROLE_NAMES, role_kind
-from hybridflow.errors import ConfigError
+from hybridflow.errors import CompileError, ConfigError
 from hybridflow.pipeline.compiler.frontend import compile_step
 from hybridflow.pipeline.compiler.grammar import ROLES, logic_name
 
@@ -21,9 +21,32 @@ def test_every_name_resolves_to_its_kind():
     assert ROLE_KINDS == ("rollout", "actor", "critic", "reference", "reward")
 
 
-def test_the_logic_names_every_role_but_the_rollout_by_the_table():
-    expected = {n: k for k, names in ROLE_NAMES.items() if k != "rollout" for n in names}
-    assert expected == ROLES
+REF_LOGIC = """
+response = actor.generate(prompt)
+reward_score = reward.score(prompt, response)
+ref_logprob = {who}.get_logprob(prompt, response)
+actor_logprob = actor.get_logprob(prompt, response)
+kl_div = actor_logprob - ref_logprob
+loss = grpo_loss(reward_score, kl_div)
+actor.update(loss)
+"""
+
+
+def test_the_logic_takes_every_name_of_a_role_but_the_rollout():
+    """Every name of the reference's row compiles to the same reference op; the rollout
+    is no name of the logic (it is reached through actor.generate), and the refusal lists
+    the names that work, the preferred one of each role."""
+    roles = ["actor", "rollout", "reference", "reward"]
+    plans = [
+        compile_step(REF_LOGIC.format(who=who), ["prompt"], ["loss"], roles).dataflow
+        for who in ROLE_NAMES["reference"]
+    ]
+    assert len(plans) == 2 and all(p == plans[0] for p in plans)
+    assert [op.op for op in plans[0] if op.role == "reference"] == ["get_logprob"]
+    assert set(ROLES.values()) == set(ROLE_KINDS) - {"rollout"}
+    logic = LOGIC.format(who="reward").replace("actor.generate", "rollout.generate")
+    with pytest.raises(CompileError, match=r"the roles are actor, critic, ref, reward\n"):
+        compile_step(logic, ["prompt"], ["loss"], ["actor", "rollout", "reward"])
     assert logic_name("reference") == "ref" and logic_name("reward") == "reward"
 
 

@@ -4,8 +4,11 @@ setting, close releases everything, CUDA tiers import and refuse cleanly without
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -140,11 +143,25 @@ async def test_task_with_bad_tensor_type_is_a_clear_error_and_leaks_nothing(
         assert peers.shm_names(run_id) == []
 
 
+def test_importing_the_nccl_tier_turns_nvlink_multicast_off_unless_told_otherwise() -> None:
+    """In a fresh interpreter whose environment names none of the keys (this process's
+    may have them from its caller, which would prove nothing): importing the tier sets
+    each; a value the environment already gives is kept."""
+    keys = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+    code = (
+        "import os, hybridflow.transport.nccl\n"
+        f"print(' '.join(os.environ.get(k, '-') for k in {keys!r}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in keys}
+    run = functools.partial(subprocess.run, [sys.executable, "-c", code], capture_output=True,
+                            text=True, check=True, timeout=120)  # fmt: skip
+    assert run(env=env).stdout.split() == ["0", "1", "1"]
+    assert run(env={**env, "NCCL_NVLS_ENABLE": "1"}).stdout.split() == ["1", "1", "1"]
+
+
 def test_cuda_tiers_import_cleanly_and_refuse_without_cuda() -> None:
     from hybridflow.transport import cuda_ipc, nccl
 
-    assert os.environ.get("NCCL_NVLS_ENABLE") == "0"
-    assert os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1"
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the GPU tests cover these tiers")
     assert not cuda_ipc.available() and not nccl.available()
