@@ -148,65 +148,21 @@ def _measure(
     device: torch.device,
     frontend: str = "sync",
 ) -> dict[str, Any]:
-    max_len = args.prompt_len + args.max_new_tokens
-    config = EngineConfig(
-        max_model_len=max_len,
-        kv_cache_gb=64.0 if device.type == "cuda" else 4.0,
-        max_num_seqs=n,
-        cuda_graphs=graphs,
-        graph_batch_sizes=(n,),  # ignore-EOS rows all finish together: one bucket is used
-        max_prefill_tokens=max(8192, n * args.prompt_len),
-        decode_lengths=tuple(
-            int(x) for x in str(getattr(args, "decode_lengths", "") or "").split(",") if x
-        ),
-    )
+    """One configuration: a warm-up run, then the timed run of N sequences."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    engine = NativeEngine(model, config)
-    gen = torch.Generator().manual_seed(args.seed)
-    vocab = model.config.vocab_size
+    engine = NativeEngine(model, _engine_config(n, graphs, args, device))
+    gen = torch.Generator().manual_seed(args.seed)  # warm-up prompts first, then the run's
 
     def requests(max_new: int) -> list[Request]:
-        prompts = torch.randint(2, vocab, (n, args.prompt_len), generator=gen)
-        params = SamplingParams(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            max_new_tokens=max_new,
-        )
-        rows = max(1, args.request_rows)
-        return [
-            Request(list(prompts[i : i + rows]), params, seed=args.seed + i)
-            for i in range(0, n, rows)
-        ]
-
-    def drive(reqs: list[Request]) -> tuple[float, list[float], int]:
-        for r in reqs:
-            engine.add_request(r)
-        times: list[float] = []
-        tokens = 0
-        t_start = time.perf_counter()
-        while engine.has_work():
-            t = time.perf_counter()
-            for o in engine.step():
-                tokens += int(o.lengths.sum())
-            times.append(time.perf_counter() - t)
-        return time.perf_counter() - t_start, times, tokens
+        return _requests(n, args, gen, model.config.vocab_size, max_new)
 
     if frontend == "async":
-        front = AsyncEngine(engine)
-        try:
-            asyncio.run(_through_frontend(front, requests(8)))  # warm-up
-            steps0 = engine.stats["steps"]
-            wall, tokens = asyncio.run(_through_frontend(front, requests(args.max_new_tokens)))
-            steps = engine.stats["steps"] - steps0
-        finally:
-            front.close()
-        times = [0.0, wall / max(1, steps)]
+        wall, times, tokens = _through_async(engine, requests(8), requests(args.max_new_tokens))
     else:
-        drive(requests(8))  # warm-up: allocator, kernels, prefill shapes
-        wall, times, tokens = drive(requests(args.max_new_tokens))
+        _drive(engine, requests(8))  # warm-up: allocator, kernels, prefill shapes
+        wall, times, tokens = _drive(engine, requests(args.max_new_tokens))
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
     result = {
         "seqs": n,
@@ -226,6 +182,70 @@ def _measure(
         result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 3)
     engine.release()
     return result
+
+
+def _engine_config(
+    n: int, graphs: bool, args: argparse.Namespace, device: torch.device
+) -> EngineConfig:
+    return EngineConfig(
+        max_model_len=args.prompt_len + args.max_new_tokens,
+        kv_cache_gb=64.0 if device.type == "cuda" else 4.0,
+        max_num_seqs=n,
+        cuda_graphs=graphs,
+        graph_batch_sizes=(n,),  # ignore-EOS rows all finish together: one bucket is used
+        max_prefill_tokens=max(8192, n * args.prompt_len),
+        decode_lengths=tuple(
+            int(x) for x in str(getattr(args, "decode_lengths", "") or "").split(",") if x
+        ),
+    )
+
+
+def _requests(
+    n: int, args: argparse.Namespace, gen: torch.Generator, vocab: int, max_new: int
+) -> list[Request]:
+    """N random prompts of --prompt-len tokens, in requests of --request-rows rows."""
+    prompts = torch.randint(2, vocab, (n, args.prompt_len), generator=gen)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=max_new,
+    )
+    rows = max(1, args.request_rows)
+    return [
+        Request(list(prompts[i : i + rows]), params, seed=args.seed + i) for i in range(0, n, rows)
+    ]
+
+
+def _drive(engine: NativeEngine, reqs: list[Request]) -> tuple[float, list[float], int]:
+    """Every request at once, stepped synchronously -> (wall s, each step's s, tokens)."""
+    for r in reqs:
+        engine.add_request(r)
+    times: list[float] = []
+    tokens = 0
+    t_start = time.perf_counter()
+    while engine.has_work():
+        t = time.perf_counter()
+        for o in engine.step():
+            tokens += int(o.lengths.sum())
+        times.append(time.perf_counter() - t)
+    return time.perf_counter() - t_start, times, tokens
+
+
+def _through_async(
+    engine: NativeEngine, warm_up: list[Request], reqs: list[Request]
+) -> tuple[float, list[float], int]:
+    """`_drive`'s numbers through AsyncEngine (the role's frontend), after a warm-up; the
+    step times are [0, wall / steps] (the engine thread steps, unseen from here)."""
+    front = AsyncEngine(engine)
+    try:
+        asyncio.run(_through_frontend(front, warm_up))
+        steps0 = engine.stats["steps"]
+        wall, tokens = asyncio.run(_through_frontend(front, reqs))
+        steps = engine.stats["steps"] - steps0
+    finally:
+        front.close()
+    return wall, [0.0, wall / max(1, steps)], tokens
 
 
 async def _through_frontend(front: AsyncEngine, reqs: list[Request]) -> tuple[float, int]:

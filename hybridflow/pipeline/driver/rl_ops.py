@@ -64,6 +64,7 @@ import torch
 
 from hybridflow.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageResult,
     EstimatorOptions,
     compute_advantages,
 )
@@ -245,41 +246,14 @@ class Advantages:
                 f"advantages: rewards {tuple(scores.shape)} must be [B] with B = {mask.shape[0]}"
             )
         lengths = mask.sum(-1).float()  # [B]
-        metrics = {
-            "reward/mean": float(scores.mean()),
-            "reward/sq_mean": float((scores * scores).mean()),
-            "reward/max": float(scores.max()),
-            "reward/min": float(scores.min()),
-            "response_length/mean": float(lengths.mean()),
-        }
-        if "prompt_mask" in batch:
-            metrics["prompt_length/mean"] = float(batch["prompt_mask"].sum(-1).float().mean())
+        metrics = _score_metrics(batch, scores, lengths)
         keep = None  # [B] bool, dynamic sampling's rows (on the task reward, before shaping)
         if self.p.dynamic_sampling:
-            keep = informative_groups(scores, batch["group_index"])
-            n_groups = int(torch.unique(batch["group_index"]).numel())
-            if self.p.dynamic_sampling_keep:
-                keep, short = _first_rows(keep, batch["group_index"], self.p.dynamic_sampling_keep)
-                metrics["dynamic_sampling/short_count"] = float(short)
-            kept_groups = int(torch.unique(batch["group_index"][keep]).numel())
-            metrics |= {
-                "dynamic_sampling/kept_groups_count": float(kept_groups),
-                "dynamic_sampling/dropped_groups_count": float(n_groups - kept_groups),
-                "dynamic_sampling/kept_frac": float(keep.float().mean()),
-            }
+            keep, picked = self._keep(scores, batch["group_index"])
+            metrics |= picked
         if self.p.overlong_buffer_len > 0:
-            pen = overlong_penalty(
-                lengths,
-                self.p.overlong_max_len,
-                self.p.overlong_buffer_len,
-                self.p.overlong_penalty_factor,
-            )  # [B] <= 0
-            scores = scores + pen
-            metrics |= {
-                "reward/overlong_penalty": float(pen.mean()),
-                "reward/overlong_frac": float((pen < 0).float().mean()),
-                "reward/shaped_mean": float(scores.mean()),
-            }
+            scores, shaped = self._overlong(scores, lengths)
+            metrics |= shaped
         fields: dict[str, Any] = {
             "mask": mask,
             "values": batch.get("values"),
@@ -288,36 +262,105 @@ class Advantages:
         if self.kl is None:
             fields["scores"] = scores
         else:
-            coef = self.kl.coef(step)
-            kl = kl_estimate(
-                batch[self.p.old_logprob_key].float(),
-                batch["ref_logprobs"].float(),
-                self.p.kl_penalty or "k1",
-                mask,
-            )  # [B, R]
-            token_rewards, st = apply_kl_penalty(scores, kl, coef, mask)
-            fields["token_rewards"] = token_rewards  # [B, R]
-            mean_kl = float(st["kl"])
-            self.kl.observe(step, mean_kl, scores.shape[0])
-            metrics |= {
-                "reward/kl": mean_kl,
-                "reward/kl_penalty": coef * mean_kl,
-                "actor/kl_coef": coef,
-            }
+            fields["token_rewards"], penalised = self._kl_rewards(batch, scores, step)
+            metrics |= penalised
         res = compute_advantages(self.p.estimator, **fields, **self.options)
-        adv = res.advantages.float()  # [B, R]
-        valid = mask.bool()
-        out: Batch = {}
-        if keep is not None:
-            adv = adv * keep.unsqueeze(-1).to(adv.dtype)  # dropped groups: no signal
-            valid = valid & keep.unsqueeze(-1)
-            out["sample_mask"] = keep.to(torch.float32)  # [B]
-        metrics["adv/mean"] = float(adv[valid].mean()) if valid.any() else 0.0
-        metrics["adv/abs_mean"] = float(adv[valid].abs().mean()) if valid.any() else 0.0
-        out["advantages"] = adv
-        if res.returns is not None:
-            out["returns"] = res.returns.float()  # [B, R]
-        return out, metrics
+        out, adv_metrics = _outputs(res, mask, keep)
+        return out, metrics | adv_metrics
+
+    def _keep(
+        self, scores: torch.Tensor, group_index: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Dynamic sampling: the rows of groups whose scores [B] differ (cut to
+        `dynamic_sampling_keep` rows when set) -> (keep [B] bool, metrics)."""
+        keep = informative_groups(scores, group_index)
+        n_groups = int(torch.unique(group_index).numel())
+        metrics: dict[str, float] = {}
+        if self.p.dynamic_sampling_keep:
+            keep, short = _first_rows(keep, group_index, self.p.dynamic_sampling_keep)
+            metrics["dynamic_sampling/short_count"] = float(short)
+        kept_groups = int(torch.unique(group_index[keep]).numel())
+        return keep, metrics | {
+            "dynamic_sampling/kept_groups_count": float(kept_groups),
+            "dynamic_sampling/dropped_groups_count": float(n_groups - kept_groups),
+            "dynamic_sampling/kept_frac": float(keep.float().mean()),
+        }
+
+    def _overlong(
+        self, scores: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """DAPO's soft overlong punishment on scores [B] by response lengths [B]."""
+        pen = overlong_penalty(
+            lengths,
+            self.p.overlong_max_len,
+            self.p.overlong_buffer_len,
+            self.p.overlong_penalty_factor,
+        )  # [B] <= 0
+        scores = scores + pen
+        return scores, {
+            "reward/overlong_penalty": float(pen.mean()),
+            "reward/overlong_frac": float((pen < 0).float().mean()),
+            "reward/shaped_mean": float(scores.mean()),
+        }
+
+    def _kl_rewards(
+        self, batch: Batch, scores: torch.Tensor, step: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Per-token rewards [B, R]: scores [B] minus the KL penalty at this step's
+        coefficient, whose controller observes the KL measured here."""
+        assert self.kl is not None
+        mask = batch["response_mask"]
+        coef = self.kl.coef(step)
+        kl = kl_estimate(
+            batch[self.p.old_logprob_key].float(),
+            batch["ref_logprobs"].float(),
+            self.p.kl_penalty or "k1",
+            mask,
+        )  # [B, R]
+        token_rewards, st = apply_kl_penalty(scores, kl, coef, mask)
+        mean_kl = float(st["kl"])
+        self.kl.observe(step, mean_kl, scores.shape[0])
+        return token_rewards, {
+            "reward/kl": mean_kl,
+            "reward/kl_penalty": coef * mean_kl,
+            "actor/kl_coef": coef,
+        }
+
+
+def _score_metrics(batch: Batch, scores: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
+    """The step's reward and length statistics, of scores [B] before any shaping."""
+    metrics = {
+        "reward/mean": float(scores.mean()),
+        "reward/sq_mean": float((scores * scores).mean()),
+        "reward/max": float(scores.max()),
+        "reward/min": float(scores.min()),
+        "response_length/mean": float(lengths.mean()),
+    }
+    if "prompt_mask" in batch:
+        metrics["prompt_length/mean"] = float(batch["prompt_mask"].sum(-1).float().mean())
+    return metrics
+
+
+def _outputs(
+    res: AdvantageResult, mask: torch.Tensor, keep: torch.Tensor | None
+) -> tuple[Batch, dict[str, float]]:
+    """The op's outputs from an estimator's result: advantages [B, R] (zero on rows
+    dynamic sampling dropped, with their `sample_mask` [B]), returns [B, R] if any."""
+    adv = res.advantages.float()  # [B, R]
+    valid = mask.bool()
+    out: Batch = {}
+    if keep is not None:
+        adv = adv * keep.unsqueeze(-1).to(adv.dtype)  # dropped groups: no signal
+        valid = valid & keep.unsqueeze(-1)
+        out["sample_mask"] = keep.to(torch.float32)  # [B]
+    metrics = {
+        "adv/mean": float(adv[valid].mean()) if valid.any() else 0.0,
+        "adv/abs_mean": float(adv[valid].abs().mean()) if valid.any() else 0.0,
+    }
+    out["advantages"] = adv
+    if res.returns is not None:
+        out["returns"] = res.returns.float()  # [B, R]
+    return out, metrics
 
 
 def _first_rows(
