@@ -1,9 +1,9 @@
 """hybridflow.transport: typed messages on ZeroMQ, tensors beside them, liveness.
 
     protocol.py   every message type (msgspec structs), frames [kind, header, *buffers]
-    channel.py    Channel: asyncio ZeroMQ socket, send(msg, tensors) / recv() -> Received;
-                  its parts: channel_wait.py (the socket on the event loop),
-                  channel_gate.py (admitted peers), channel_send.py, channel_recv.py
+    channel/      Channel: asyncio ZeroMQ socket, send(msg, tensors) / recv() -> Received;
+                  its parts: wait.py (the socket on the event loop), gate.py (admitted
+                  peers), send.py, recv.py, endpoint.py (the socket itself)
     tensors.py    TensorCodec: picks a tier per tensor, describes it, rebuilds it
     shm.py        tier 2: one-shot and pooled POSIX shared-memory segments, sweeps
     cuda_ipc.py   tier 3: CUDA IPC handles (same host), held until the receiver acks

@@ -4,7 +4,7 @@ Coordinator -> stage -> coordinator over ipc://, two processes, as in a run. The
 reference is the same frames ping-ponged by plain blocking pyzmq ROUTER/DEALER sockets
 between two other processes (`RawZmq`), timed in blocks alternating with the channels'
 so that both see the same load (vs_raw_zmq = p50 / raw p50). This is the number the
-channel's fast path is measured by (transport/channel_wait.py).
+channel's fast path is measured by (transport/channel/wait.py).
 """
 
 from __future__ import annotations

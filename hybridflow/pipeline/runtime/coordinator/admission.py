@@ -1,6 +1,6 @@
 """The Hello gate: which connections of the coordinator's socket are the run's stages.
 
-The coordinator's ROUTER is `gated` (transport/channel.py): nothing a connection sends
+The coordinator's ROUTER is `gated` (transport/channel/gate.py): nothing a connection sends
 is acted on before it is admitted, and only its Hello is read. `Gate.welcome` admits a
 connection under its stage's name when the Hello carries a proof of the run's secret for
 (run, stage, replica, connection) (transport/auth.py) and the stage is not in already;

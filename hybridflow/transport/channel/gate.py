@@ -4,11 +4,11 @@
 after it checked their Hello: transport/auth.py) before anything of theirs is acted
 on. Until then `recv` returns their tensor-less messages with `trusted=False` and the
 raw connection identity, and drops messages with tensors and `Release`s after the
-header (`untrusted_dropped`, channel_recv.py): no shared memory or CUDA IPC handle they
+header (`untrusted_dropped`, recv.py): no shared memory or CUDA IPC handle they
 name is ever opened, mapped or unlinked, and their malformed messages never reach
 `on_bad_message`. Admitted peers are known by their name on both paths
 (`send(to=name)`, `Received.peer == name`), whatever connection identity they use; an
-answer to a peer not admitted goes by its connection (`reply`, channel_send.py).
+answer to a peer not admitted goes by its connection (`reply`, send.py).
 
 Invariant: a send by name never falls back to a raw connection identity (a squatter may
 hold that one): a name not admitted is a `PeerDeadError`.
@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.errors import PeerDeadError
-from hybridflow.transport.channel_wait import SocketWaits
+from hybridflow.transport.channel.wait import SocketWaits
 
 
 class PeerGate(SocketWaits):
-    """The admission table of `Channel` (channel.py sets the attributes below)."""
+    """The admission table of `Channel` (endpoint.py sets the attributes below)."""
 
     gated: bool
     untrusted_dropped: int  # messages of peers not admitted, dropped after the header

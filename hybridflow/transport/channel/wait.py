@@ -1,8 +1,8 @@
 """How a channel's socket meets asyncio: the fd, the sleepers, the one timer, peer deadlines.
 
 Why not zmq.asyncio: a plain socket, its ZMQ_FD registered once with the loop
-(`_bind_loop`), and every operation tried non-blocking first (channel_send.py,
-channel_recv.py). A recv that finds a message costs no future at all; one that must wait
+(`_bind_loop`), and every operation tried non-blocking first (send.py,
+recv.py). A recv that finds a message costs no future at all; one that must wait
 costs one future and no task (`_wait`). This is what brings a small-message round trip
 between two processes near raw pyzmq latency.
 
@@ -41,7 +41,7 @@ EVENTS = int(zmq.EVENTS)
 
 
 class SocketWaits:
-    """The asyncio side of `Channel` (channel.py, which sets every attribute below)."""
+    """The asyncio side of `Channel` (endpoint.py, which sets every attribute below)."""
 
     name: str
     peers: PeerTable | None

@@ -2,7 +2,7 @@
 
 The fast path: ZMQ_EVENTS says a message is queued, one non-blocking multipart recv
 (`_try_recv`: small frames as bytes, tensor frames as zmq Frames, copied once by the
-codec), decode (`_decode`), return. Only an empty queue waits (channel_wait.py).
+codec), decode (`_decode`), return. Only an empty queue waits (wait.py).
 
 Invariants:
   - a malformed message never kills a receiver: `recv` logs it, counts it in
@@ -10,7 +10,7 @@ Invariants:
     error: a stage's task, a result the coordinator waits for) and waits for the next one;
   - `Release` messages are consumed here (the codec frees what they name), never returned;
   - a gated ROUTER never decodes the tensors of a peer it has not admitted
-    (`_untrusted`; channel_gate.py);
+    (`_untrusted`; gate.py);
   - every message marks its sender as seen in the `PeerTable`; peers are checked for
     death between messages, never with one in hand, and queued input first: a peer whose
     heartbeats wait in our queue is late, not dead.
@@ -28,8 +28,8 @@ import zmq
 
 from hybridflow.errors import PeerDeadError, ProtocolError, TransportTimeout
 from hybridflow.transport import protocol
-from hybridflow.transport.channel_send import SendPath
-from hybridflow.transport.channel_wait import NOBLOCK, POLLIN
+from hybridflow.transport.channel.send import SendPath
+from hybridflow.transport.channel.wait import NOBLOCK, POLLIN
 from hybridflow.transport.protocol import Msg, Release
 
 log = logging.getLogger("hybridflow.transport.channel")
@@ -48,7 +48,7 @@ class Received:
 
 
 class RecvPath(SendPath):
-    """Receiving on `Channel` (channel.py sets the attributes below)."""
+    """Receiving on `Channel` (endpoint.py sets the attributes below)."""
 
     bad_messages: int  # malformed messages dropped
     # Called as (peer, error, the message's header body or None) for every message

@@ -28,8 +28,8 @@ import zmq
 
 from hybridflow.errors import PeerDeadError, PipelineError, TransportTimeout
 from hybridflow.transport import protocol
-from hybridflow.transport.channel_gate import PeerGate
-from hybridflow.transport.channel_wait import NOBLOCK, POLLOUT, SNDMORE
+from hybridflow.transport.channel.gate import PeerGate
+from hybridflow.transport.channel.wait import NOBLOCK, POLLOUT, SNDMORE
 from hybridflow.transport.protocol import Msg, TensorDesc
 from hybridflow.transport.tensors import ShmFull
 
@@ -37,7 +37,7 @@ log = logging.getLogger("hybridflow.transport.channel")
 
 
 class SendPath(PeerGate):
-    """Sending on `Channel` (channel.py sets the attributes below)."""
+    """Sending on `Channel` (endpoint.py sets the attributes below)."""
 
     kind: str  # the socket kind: "router", "dealer", "push" or "pull"
     _send_lock: asyncio.Lock  # held by a send that waits: later sends queue behind it

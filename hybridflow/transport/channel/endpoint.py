@@ -1,35 +1,7 @@
-"""Asyncio ZeroMQ channels: `send(msg, tensors)` / `recv() -> Received(msg, tensors, peer)`.
-
-Socket patterns and why:
-  - coordinator <-> stage: ROUTER (coordinator binds) / DEALER (each stage connects).
-    One socket carries both directions, the ROUTER knows every peer by identity, and
-    ROUTER_MANDATORY turns a send to a vanished peer into `PeerDeadError` instead of a
-    silent drop. Both directions also carry the transport's own `Release` acks, so
-    large CPU tensors use pooled shared memory and CUDA IPC tensors are held until the
-    receiver is done.
-  - stage -> stage streams (weights, bulk data): PUSH / PULL. One direction, no identities,
-    and PUSH blocks when the receiver's queue is full: backpressure for free. No acks can
-    flow back, so shared memory is one-shot there.
-
-One class, `Channel`, written in parts, one idea each (each part a base class of the
-next, so a method call on the fast path costs what it cost in one class):
-  channel_wait.py   how the socket meets asyncio: the fd, the sleepers, the one timer,
-                    peer deadlines (why not zmq.asyncio, and what the fast path pays)
-  channel_gate.py   admission of peers on a gated ROUTER
-  channel_send.py   the send path, backpressure, the transport's own acks out
-  channel_recv.py   the receive path, `Received`, malformed and untrusted messages
-  channel.py        the socket itself (options, CurveZMQ, bind/connect) and `close`
-
-Invariants:
-  - a malformed message never kills a receiver (channel_recv.py);
-  - every wait is bounded by a timeout whose error names the setting to raise, and, with
-    a `PeerTable`, by the peers' heartbeat deadline (`PeerDeadError` names the peer);
-  - `Release` messages are consumed here, never returned by `recv`;
-  - `close()` releases every resource the channel owns (sockets, segments, held tensors);
-  - a channel on a `tcp://` endpoint of a run with CurveZMQ keys (transport/curve.py) is a
-    Curve server when it binds (its ZAP gate admits the run's clients only) and a Curve
-    client when it connects; other channels are plain sockets.
-"""
+"""`Channel`, the socket itself: its ZeroMQ options, CurveZMQ on TCP, bind/connect, and
+`close`, which releases everything the channel owns. The parts it is built from (its base
+classes: recv.py on send.py on gate.py on wait.py) and the invariants they keep are drawn
+in the package docstring (transport/channel/__init__.py)."""
 
 from __future__ import annotations
 
@@ -42,8 +14,8 @@ import zmq
 
 from hybridflow.errors import PeerDeadError
 from hybridflow.transport import curve
-from hybridflow.transport.channel_recv import Received, RecvPath
-from hybridflow.transport.channel_wait import POLLIN, POLLOUT
+from hybridflow.transport.channel.recv import RecvPath
+from hybridflow.transport.channel.wait import POLLIN, POLLOUT
 from hybridflow.transport.liveness import PeerTable
 from hybridflow.transport.tensors import (
     DEFAULT_SHM_INFLIGHT_BYTES,
@@ -53,7 +25,7 @@ from hybridflow.transport.tensors import (
     TensorCodec,
 )
 
-__all__ = ["Channel", "Received", "SocketKind"]
+__all__ = ["Channel", "SocketKind"]
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +36,12 @@ _ZMQ_TYPES = {"router": zmq.ROUTER, "dealer": zmq.DEALER, "push": zmq.PUSH, "pul
 class Channel(RecvPath):
     """One ZeroMQ socket plus the tensor codec of this endpoint.
 
-    `peers`: an optional liveness table (liveness.py). Every message marks its sender as
+    `peers`: an optional liveness table (transport/liveness.py). Every message marks its sender as
     seen (key: ROUTER identity, or None for the single peer of other sockets), and waits
     end with `PeerDeadError`/`StageDeadError` when a watched peer goes silent.
 
     `gated` (ROUTER only): peers must be admitted by the owner (`admit(connection, name)`,
-    after it checked their Hello) before anything of theirs is acted on (channel_gate.py).
+    after it checked their Hello) before anything of theirs is acted on (gate.py).
     """
 
     def __init__(
