@@ -175,7 +175,7 @@ def _call(target: str, args: argparse.Namespace) -> int:
 COMMANDS = {
     "run": "hybridflow.pipeline.runtime.runner:cli_run",
     "validate": "hybridflow.pipeline.runtime.runner:cli_validate",
-    "eval": "hybridflow.pipeline.runtime.evaluate:cli_eval",
+    "eval": "hybridflow.pipeline.runtime.jobs.evaluate:cli_eval",
     "status": "hybridflow.pipeline.runtime.watch.status:cli_status",
     "view": "hybridflow.view.server:cli_view",
     "reward-serve": "hybridflow.reward.server:cli_serve",

@@ -94,7 +94,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ValidationConfig:
-    """Held-out evaluation between training steps (pipeline/runtime/validation.py).
+    """Held-out evaluation between training steps (pipeline/runtime/jobs/validation.py).
 
     The same stage processes run the dataflow's generate and score ops (no update) on
     `source`, read through the training data source's options (tokenizer, prompt_key,

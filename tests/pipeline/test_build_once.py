@@ -19,11 +19,12 @@ from hybridflow.config.loader import config_hash
 from hybridflow.config.schema import load_topology
 from hybridflow.pipeline.api import engine as engine_module
 from hybridflow.pipeline.plan.planner import build_plan
-from hybridflow.pipeline.runtime import runner, validation
+from hybridflow.pipeline.runtime import runner
 from hybridflow.pipeline.runtime.coordinator import RunResult
+from hybridflow.pipeline.runtime.jobs import validation
+from hybridflow.pipeline.runtime.jobs.training import run_training
+from hybridflow.pipeline.runtime.jobs.validation import Validator
 from hybridflow.pipeline.runtime.runner import run_topology
-from hybridflow.pipeline.runtime.training import run_training
-from hybridflow.pipeline.runtime.validation import Validator
 from hybridflow.pipeline.sources.registry import SyntheticPrompts
 from hybridflow.pipeline.sources.rl import GroupedPrompts
 

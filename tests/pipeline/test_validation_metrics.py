@@ -13,7 +13,7 @@ from hybridflow.pipeline.observe.validation import (
     is_validation_row,
     validation_metrics,
 )
-from hybridflow.pipeline.runtime.validation import Validator
+from hybridflow.pipeline.runtime.jobs.validation import Validator
 
 
 def _s(prompt, source, reward, pred, length=4):

@@ -74,8 +74,8 @@ from hybridflow.pipeline.sources.datasets import (
 
 if TYPE_CHECKING:
     from hybridflow.pipeline.runtime.coordinator import RunResult
+    from hybridflow.pipeline.runtime.jobs.validation import Validator
     from hybridflow.pipeline.runtime.session import Session
-    from hybridflow.pipeline.runtime.validation import Validator
     from hybridflow.pipeline.sources.registry import DataSource
 
 __all__ = ["Engine", "TrainResult"]
@@ -423,11 +423,11 @@ class Engine:
         validator: Validator,
         source: DataSource,
     ) -> RunResult:
-        """Training steps cut at the validation points (pipeline/runtime/training.py),
+        """Training steps cut at the validation points (pipeline/runtime/jobs/training.py),
         one set of metrics sinks for the whole call."""
         from hybridflow.pipeline.observe.metrics import make_sinks
+        from hybridflow.pipeline.runtime.jobs.training import run_training
         from hybridflow.pipeline.runtime.session import run_dir_of
-        from hybridflow.pipeline.runtime.training import run_training
 
         topo = plan.topology
         sinks = make_sinks(topo.metrics.backends, run_dir_of(topo), topo, start)
@@ -463,8 +463,8 @@ class Engine:
         return from_dict(ValidationConfig, values, "validation")
 
     def _validator(self, topo: Topology) -> Validator | None:
+        from hybridflow.pipeline.runtime.jobs.validation import Validator
         from hybridflow.pipeline.runtime.session import run_dir_of
-        from hybridflow.pipeline.runtime.validation import Validator
 
         return Validator(topo, run_dir_of(topo)) if topo.validation is not None else None
 

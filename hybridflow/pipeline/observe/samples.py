@@ -8,7 +8,7 @@
                        finishes, `take_rows` cuts one tensor dict per chosen row
     coordinator        hands the rows with the data source's tokenizer to the io thread
     SamplesSink        (io thread) `sample_record` decodes each row to one JSON line
-    validation         the same rows of a few validation samples, split "val" (training.py)
+    validation         the same rows of a few validation samples, split "val" (runtime/jobs/training.py)
 
 One line per sample, the keys that the run has (a missing value leaves its key out):
     step, split ("train" | "val"), sample (sample_idx), prompt_index (group_index),

@@ -59,11 +59,11 @@ from hybridflow.pipeline.plan.planner import (
     trainer_stages,
 )
 from hybridflow.pipeline.runtime.coordinator import RunResult
+from hybridflow.pipeline.runtime.jobs.training import run_training
+from hybridflow.pipeline.runtime.jobs.validation import Validator
 from hybridflow.pipeline.runtime.launcher import Launcher
 from hybridflow.pipeline.runtime.session import Session, run_dir_of
 from hybridflow.pipeline.runtime.stage_specs import places_hosts
-from hybridflow.pipeline.runtime.training import run_training
-from hybridflow.pipeline.runtime.validation import Validator
 from hybridflow.pipeline.runtime.watch.rundir_lock import lock_dirs
 from hybridflow.pipeline.sources.registry import DataSource, create_source
 

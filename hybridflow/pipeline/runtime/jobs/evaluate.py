@@ -2,7 +2,7 @@
 
 Starts the topology's stage processes (restoring the checkpoint when one is given: every
 role, the rollout engine's weights included, loads the policy it holds), runs the
-`validation:` section's job once (pipeline/runtime/validation.py) and prints one JSON
+`validation:` section's job once (pipeline/runtime/jobs/validation.py) and prints one JSON
 object: the `val/` metrics, the step the policy was trained for (0 for the initial
 models) and the checkpoint. Sample generations, when `validation.generations` asks for
 them, go to `<run_dir>/eval_generations.jsonl` (the training run's
@@ -28,9 +28,9 @@ from hybridflow.config.imports import cwd_off_path
 from hybridflow.config.schema import Topology
 from hybridflow.errors import ConfigError
 from hybridflow.pipeline.plan.planner import build_plan
+from hybridflow.pipeline.runtime.jobs.validation import Validator
 from hybridflow.pipeline.runtime.runner import _load, check_dirs, checkpoint_of, honour_log_level
 from hybridflow.pipeline.runtime.session import Session, run_dir_of
-from hybridflow.pipeline.runtime.validation import Validator
 from hybridflow.pipeline.runtime.watch.rundir_lock import DirLock
 
 EVAL_GENERATIONS = "eval_generations.jsonl"

@@ -37,7 +37,7 @@ from hybridflow.pipeline.observe.metrics import MetricsSink
 from hybridflow.pipeline.observe.samples import sample_sinks, samples_wanted
 from hybridflow.pipeline.plan.planner import Plan
 from hybridflow.pipeline.runtime.coordinator import RunResult
-from hybridflow.pipeline.runtime.validation import Validator
+from hybridflow.pipeline.runtime.jobs.validation import Validator
 from hybridflow.pipeline.sources.registry import DataSource, create_source
 
 
