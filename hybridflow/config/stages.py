@@ -46,6 +46,10 @@ class RoleConfig:
     kind: str = ""  # "" = the role's name (rollout, actor, critic, reference, reward)
     options: dict[str, Any] = field(default_factory=dict)  # the backend's options
 
+    def kind_of(self, name: str) -> str:
+        """The kind of this role when a stage hosts it as `name`: `kind`, else the name."""
+        return self.kind or name
+
 
 @dataclass(frozen=True)
 class StageConfig:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from hybridflow.config.loader import config_hash, from_dict, to_dict
-from hybridflow.config.schema import Topology, load_topology, preset_names
+from hybridflow.config.schema import RoleConfig, Topology, load_topology, preset_names
 from hybridflow.errors import ConfigError
 from hybridflow.pipeline.plan.planner import build_plan
 
@@ -338,3 +338,8 @@ def test_stage_hosts_are_checked_and_say_where_each_replica_runs():
     data["stages"]["reward"]["hosts"] = ["node1", "localhost"]  # cuda:7 here: refused
     with pytest.raises(ConfigError, match=r"^stages.reward.devices\[1\]: cuda:7 is not avail"):
         build_plan(load_topology(data), check_devices=True)
+
+
+def test_a_roles_kind_is_its_own_else_the_name_it_is_hosted_under():
+    assert RoleConfig("hf").kind_of("critic") == "critic"
+    assert RoleConfig("function", kind="reward").kind_of("judge") == "reward"

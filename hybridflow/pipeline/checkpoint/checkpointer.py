@@ -74,7 +74,7 @@ class Checkpointer:
                 {"stage": stage, "role": role}
                 for stage, cfg in topo.stages.items()
                 for role, rc in cfg.roles.items()
-                if backend_class(rc.kind or role, rc.backend).exports_policy
+                if backend_class(rc.kind_of(role), rc.backend).exports_policy
             ),
             None,
         )

@@ -437,7 +437,7 @@ def _check_sample_mask_consumed(topo: Topology, path: str) -> None:
 def _policy(topo: Topology, stage: str, role: str) -> bool:
     """Whether `role`'s backend class trains the run's policy (stages/contract.py)."""
     rc = topo.stages[stage].roles[role]
-    return bool(backend_class(rc.kind or role, rc.backend).exports_policy)
+    return bool(backend_class(rc.kind_of(role), rc.backend).exports_policy)
 
 
 def _check_groups(topo: Topology, estimator: str, per_step: bool) -> None:

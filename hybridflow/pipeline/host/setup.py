@@ -85,7 +85,7 @@ async def set_up(
             await weight_sync.start()
         for name, rc in cfg.roles.items():
             part = name  # import errors of a backend land here
-            roles[name] = create_role(rc.kind or name, rc.backend)
+            roles[name] = create_role(rc.kind_of(name), rc.backend)
         for name, rc in cfg.roles.items():
             part = name
             await worker.call(roles[name].setup, _context(spec, topo, roles, name, rc, device))
@@ -132,7 +132,7 @@ def _context(
         colocated=roles,
         world=StageWorld(
             role=name,
-            kind=rc.kind or name,
+            kind=rc.kind_of(name),
             rank=spec.replica,
             world_size=cfg.replicas,
             init_method=spec.init_method,  # "" unless replicas > 1

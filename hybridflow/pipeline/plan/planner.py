@@ -189,7 +189,7 @@ def _check_backends(topo: Topology) -> dict[str, type]:
     classes: dict[str, type] = {}  # role -> backend class
     for stage, cfg in topo.stages.items():
         for role, rc in cfg.roles.items():
-            kind = rc.kind or role
+            kind = rc.kind_of(role)
             target = BACKENDS.get((kind, rc.backend)) or BACKENDS.get(("*", rc.backend))
             if target is None:
                 known = sorted({b for (k, b) in BACKENDS if k in (kind, "*")})

@@ -100,7 +100,7 @@ def links(topo: Topology) -> tuple[WeightLink, ...]:
                 receivers=receivers,
                 tier="nccl" if all(d.startswith("cuda") for d in devices) else "shm",
                 local_too=any(
-                    backend_class(rc.kind or name, rc.backend).receives_weights
+                    backend_class(rc.kind_of(name), rc.backend).receives_weights
                     for name, rc in roles.items()
                     if name != src
                 ),

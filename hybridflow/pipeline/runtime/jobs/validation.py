@@ -75,7 +75,7 @@ def validation_ops(topo: Topology) -> tuple[OpConfig, ...]:
     assert cfg is not None
     classes = role_classes(topo)
     kinds = {
-        role: rc.kind or role for stage in topo.stages.values() for role, rc in stage.roles.items()
+        role: rc.kind_of(role) for stage in topo.stages.values() for role, rc in stage.roles.items()
     }
     scores = {
         i
