@@ -57,3 +57,6 @@ GENERATE_INPUTS = PROMPT_FIELDS
 GENERATE_OUTPUTS = (*RESPONSE_FIELDS, "rollout_logprobs")
 # A data source's record of each row (the reward's ground truth, the environment's task).
 METADATA = "metadata_json"
+# A data source's numbering of each row: the sample, and the prompt it answers.
+SAMPLE_INDEX = "sample_idx"
+GROUP_INDEX = "group_index"

@@ -13,6 +13,8 @@ def test_every_named_tuple_is_in_the_table():
         *fields.GENERATE_INPUTS,
         *fields.GENERATE_OUTPUTS,
         fields.METADATA,
+        fields.SAMPLE_INDEX,
+        fields.GROUP_INDEX,
     )
     assert [n for n in named if n not in fields.FIELDS] == []
     assert fields.SEQUENCE_FIELDS == fields.PROMPT_FIELDS + fields.RESPONSE_FIELDS
@@ -37,3 +39,14 @@ def test_sequence_lists_are_the_table_s():
     assert SFTExamples.FIELDS[:4] == fields.SEQUENCE_FIELDS
     assert (*fields.SEQUENCE_FIELDS, fields.METADATA) == function._TEXT_FIELDS
     assert common.SEQUENCE_FIELDS == fields.SEQUENCE_FIELDS  # stages' own copy, for now
+
+
+def test_the_data_sources_provide_table_names():
+    from hybridflow.pipeline.sources.prompt_source import PromptSource
+    from hybridflow.pipeline.sources.registry import SyntheticPrompts
+    from hybridflow.pipeline.sources.rl import GroupedPrompts
+    from hybridflow.pipeline.sources.sft import SFTExamples
+
+    for source in (PromptSource, SyntheticPrompts, GroupedPrompts, SFTExamples):
+        assert [n for n in source.FIELDS if n not in fields.FIELDS] == [], source.__name__
+        assert source.FIELDS[:2] == fields.PROMPT_FIELDS, source.__name__

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.config.fields import METADATA, PROMPT_FIELDS, SAMPLE_INDEX
 from hybridflow.config.loader import from_dict
 from hybridflow.data import memory
 from hybridflow.data.batching import collate_prompts
@@ -48,6 +49,7 @@ from hybridflow.data.prompts import (
 )
 from hybridflow.errors import ConfigError
 from hybridflow.models.loader import load_tokenizer
+from hybridflow.pipeline.sources.registry import check_fields
 
 Batch = dict[str, torch.Tensor]
 
@@ -59,15 +61,10 @@ class PromptSourceOptions(DataOptions):
 
 
 class PromptSource:
-    FIELDS = ("prompt_ids", "prompt_mask", "metadata_json", "sample_idx")
+    FIELDS = (*PROMPT_FIELDS, METADATA, SAMPLE_INDEX)
 
     def __init__(self, fields: tuple[str, ...], options: Mapping[str, Any], seed: int) -> None:
-        for i, name in enumerate(fields):
-            if name not in self.FIELDS:
-                raise ConfigError(
-                    f"data.fields[{i}]",
-                    f"the prompts source cannot provide {name!r}; it provides {', '.join(self.FIELDS)}",
-                )
+        check_fields(fields, self.FIELDS, "prompts")
         opts = from_dict(PromptSourceOptions, dict(options), "data.options")
         if opts.tokenizer is None and opts.model is None:
             raise ConfigError(
@@ -120,7 +117,7 @@ class PromptSource:
         else:
             items = [self._at(self._row(k)) for k in range(first, first + size)]
         out = collate_prompts(items, self.tokenizer.pad_token_id)
-        out["sample_idx"] = torch.arange(first, first + size, dtype=torch.int64)
+        out[SAMPLE_INDEX] = torch.arange(first, first + size, dtype=torch.int64)
         return {name: out[name] for name in self.fields}
 
     def close(self) -> None:

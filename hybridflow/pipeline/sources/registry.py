@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hybridflow.config.fields import PROMPT_FIELDS, SAMPLE_INDEX
 from hybridflow.config.imports import load_attr
 from hybridflow.config.schema import DataConfig
 from hybridflow.errors import ConfigError
@@ -61,6 +62,17 @@ def create_source(cfg: DataConfig, seed: int) -> DataSource:
     return source_class(cfg)(tuple(cfg.fields), dict(cfg.options), seed)
 
 
+def check_fields(fields: tuple[str, ...], provides: tuple[str, ...], source: str) -> None:
+    """Every name of `data.fields` is one the `source` source provides; else a
+    ConfigError at `data.fields[i]` listing what it does provide."""
+    for i, name in enumerate(fields):
+        if name not in provides:
+            raise ConfigError(
+                f"data.fields[{i}]",
+                f"the {source} source cannot provide {name!r}; it provides {', '.join(provides)}",
+            )
+
+
 def _int_option(options: Mapping[str, Any], key: str, default: int, low: int) -> int:
     value = options.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -78,7 +90,7 @@ class SyntheticPrompts:
     Options: prompt_length (8), vocab_size (1000).
     """
 
-    FIELDS = ("prompt_ids", "prompt_mask", "sample_idx")
+    FIELDS = (*PROMPT_FIELDS, SAMPLE_INDEX)
 
     def __init__(self, fields: tuple[str, ...], options: Mapping[str, Any], seed: int) -> None:
         unknown = sorted(set(options) - {"prompt_length", "vocab_size"})
@@ -86,12 +98,7 @@ class SyntheticPrompts:
             raise ConfigError(
                 f"data.options.{unknown[0]}", "unknown option; known: prompt_length, vocab_size"
             )
-        for i, name in enumerate(fields):
-            if name not in self.FIELDS:
-                raise ConfigError(
-                    f"data.fields[{i}]",
-                    f"the synthetic source cannot provide {name!r}; it provides {', '.join(self.FIELDS)}",
-                )
+        check_fields(fields, self.FIELDS, "synthetic")
         self.fields = fields
         self.prompt_length = _int_option(options, "prompt_length", 8, 1)
         self.vocab_size = _int_option(options, "vocab_size", 1000, 2)
@@ -103,7 +110,7 @@ class SyntheticPrompts:
         all_fields = {
             "prompt_ids": ids,
             "prompt_mask": torch.ones_like(ids),
-            "sample_idx": torch.arange(step * size, (step + 1) * size, dtype=torch.int64),
+            SAMPLE_INDEX: torch.arange(step * size, (step + 1) * size, dtype=torch.int64),
         }
         return {name: all_fields[name] for name in self.fields}
 

@@ -29,32 +29,29 @@ from typing import Any
 
 import torch
 
+from hybridflow.config.fields import GROUP_INDEX, METADATA, PROMPT_FIELDS, SAMPLE_INDEX
 from hybridflow.errors import ConfigError, PipelineError
+from hybridflow.pipeline.sources.registry import check_fields
 
 Batch = dict[str, torch.Tensor]
-_INNER = ("prompt_ids", "prompt_mask", "metadata_json")
+_PER_PROMPT = (*PROMPT_FIELDS, METADATA)  # what the inner PromptSource gives, once a prompt
 
 
 class GroupedPrompts:
-    FIELDS = (*_INNER, "group_index", "sample_idx")
+    FIELDS = (*_PER_PROMPT, GROUP_INDEX, SAMPLE_INDEX)
 
     def __init__(self, fields: tuple[str, ...], options: Mapping[str, Any], seed: int) -> None:
         from hybridflow.pipeline.sources.prompt_source import PromptSource
 
-        for i, name in enumerate(fields):
-            if name not in self.FIELDS:
-                raise ConfigError(
-                    f"data.fields[{i}]",
-                    f"the prompts source cannot provide {name!r}; it provides "
-                    f"{', '.join(self.FIELDS)}",
-                )
+        check_fields(fields, self.FIELDS, "prompts")
         opts = dict(options)
         n = opts.pop("samples_per_prompt", 1)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError("data.options.samples_per_prompt", f"must be an int >= 1, got {n!r}")
         self.n = n
         self.fields = fields
-        inner = tuple(f for f in _INNER if f in fields) or ("prompt_ids",)
+        # at least prompt_ids: the inner source counts its rows by a field
+        inner = tuple(f for f in _PER_PROMPT if f in fields) or PROMPT_FIELDS[:1]
         self.inner = PromptSource(inner, opts, seed)
         self.tokenizer = self.inner.tokenizer
 
@@ -71,10 +68,10 @@ class GroupedPrompts:
         prompts = size // self.n
         rows = self.inner.batch(step, prompts)
         out = {k: v.repeat_interleave(self.n, dim=0) for k, v in rows.items()}
-        out["group_index"] = torch.arange(
+        out[GROUP_INDEX] = torch.arange(
             step * prompts, (step + 1) * prompts, dtype=torch.int64
         ).repeat_interleave(self.n)
-        out["sample_idx"] = torch.arange(step * size, (step + 1) * size, dtype=torch.int64)
+        out[SAMPLE_INDEX] = torch.arange(step * size, (step + 1) * size, dtype=torch.int64)
         return {name: out[name] for name in self.fields}
 
     def close(self) -> None:

@@ -42,12 +42,13 @@ from typing import Any, Literal
 
 import torch
 
-from hybridflow.config.fields import SEQUENCE_FIELDS
+from hybridflow.config.fields import SAMPLE_INDEX, SEQUENCE_FIELDS
 from hybridflow.config.loader import from_dict
 from hybridflow.data.batching import collate_sft
 from hybridflow.data.prompts import DataOptions, epoch_order, make_item, uses_template
 from hybridflow.data.sources import load_records
 from hybridflow.errors import ConfigError
+from hybridflow.pipeline.sources.registry import check_fields
 
 Batch = dict[str, torch.Tensor]
 
@@ -91,17 +92,12 @@ class SFTOptions:
 
 
 class SFTExamples:
-    FIELDS = (*SEQUENCE_FIELDS, "sample_idx")
+    FIELDS = (*SEQUENCE_FIELDS, SAMPLE_INDEX)
 
     def __init__(self, fields: tuple[str, ...], options: Mapping[str, Any], seed: int) -> None:
         from hybridflow.models.loader import load_tokenizer
 
-        for i, name in enumerate(fields):
-            if name not in self.FIELDS:
-                raise ConfigError(
-                    f"data.fields[{i}]",
-                    f"the sft source cannot provide {name!r}; it provides {', '.join(self.FIELDS)}",
-                )
+        check_fields(fields, self.FIELDS, "sft")
         opts = from_dict(SFTOptions, dict(options), "data.options")
         self.fields, self.seed, self.shuffle = fields, seed, opts.shuffle
         self.tokenizer = load_tokenizer(opts.tokenizer, opts.model, "data.options.tokenizer")
@@ -144,7 +140,7 @@ class SFTExamples:
         out = collate_sft(
             [self.pairs[self._row(k)] for k in range(first, first + size)], self.tokenizer
         )
-        out["sample_idx"] = torch.arange(first, first + size, dtype=torch.int64)
+        out[SAMPLE_INDEX] = torch.arange(first, first + size, dtype=torch.int64)
         return {name: out[name] for name in self.fields}
 
     def close(self) -> None:

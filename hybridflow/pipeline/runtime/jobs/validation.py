@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.config.fields import GROUP_INDEX, METADATA, SAMPLE_INDEX
 from hybridflow.config.schema import (
     DRIVER_ROLE,
     NO_METRICS,
@@ -65,7 +66,7 @@ from hybridflow.pipeline.sources.registry import create_source
 
 GENERATIONS_FILE = "val_generations.jsonl"
 VAL_SEED_OFFSET = 7919  # task: sources are generated from seed + this (held out)
-_DATA_FIELDS = ("metadata_json", "group_index", "sample_idx")
+_DATA_FIELDS = (METADATA, GROUP_INDEX, SAMPLE_INDEX)  # the source's record of each row
 _DEFAULT_TASK_PROMPTS = 256
 
 
