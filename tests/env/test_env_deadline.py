@@ -32,6 +32,28 @@ def test_daemon_calls_count_abandoned_threads_until_they_return():
     assert calls.start(lambda: 7, name="after").result(timeout=5) == 7
 
 
+def test_workers_are_reused_and_never_queue_a_call_behind_a_busy_one():
+    """Calls one after another run on one reused thread (named as the call while it
+    runs); calls started together run together, even while another call is stuck."""
+    calls = DaemonCalls(max_stuck=4, what="Pool.step", setting="env_timeout_s")
+    calls.start(lambda: None, name="warm").result(timeout=5)
+    before = set(threading.enumerate())
+    for i in range(20):
+        me = calls.start(
+            lambda: (threading.current_thread(), threading.current_thread().name), name=f"call-{i}"
+        )
+        thread, name = me.result(timeout=5)
+        assert name == f"call-{i}" and thread in before  # an idle worker, not a new thread
+    release = threading.Event()
+    stuck = calls.start(release.wait, 30, name="stuck")
+    calls.abandon(stuck)
+    together = threading.Barrier(8, timeout=10)  # breaks unless all 8 run at once
+    futs = [calls.start(together.wait, name=f"b-{i}") for i in range(8)]
+    assert sorted(f.result(timeout=15) for f in futs) == list(range(8))
+    release.set()
+    assert stuck.result(timeout=5) is True
+
+
 async def test_an_env_method_that_keeps_hanging_is_capped_by_max_stuck():
     release = threading.Event()
 
