@@ -63,7 +63,8 @@ class EngineConfig:
     # attention lengths decode steps run at; () = graphs.default_lengths (64, 128, ...);
     # one length >= the slot's turns length buckets off (every step reads whole slots)
     decode_lengths: tuple[int, ...] = ()
-    max_prefill_tokens: int = 8192  # unique prompts x longest prompt per prefill batch
+    # unique prompts x longest prompt per prefill batch (role.py says why 16384)
+    max_prefill_tokens: int = 16384
     max_stop_ids: int = 8  # stop ids per request (a static buffer width)
     autocast_bf16: bool = False  # run the float32 model under bf16 autocast
     keep_sessions: bool = True  # park a session's K/V between its requests (False: re-prefill)

@@ -84,7 +84,12 @@ class NativeRolloutOptions(HFRolloutOptions):
     # attention lengths of decode steps ([] = 64, 128, ... up to the slot's; one value
     # >= max_prompt_len + max_new_tokens makes every step read whole slots)
     decode_lengths: list[int] = field(default_factory=list)
-    max_prefill_tokens: int = 8192  # prompts x longest prompt per prefill batch
+    # prompts x longest prompt per prefill batch (an admission step's activations). 16384
+    # rather than 8192: a multi-turn boundary of 256 trajectories extends each by its
+    # observation + 1 token (~33 in bench/multiturn.py), 8448 positions, so 8192 split every
+    # boundary into two admission steps, each paying the eager forward's fixed host cost;
+    # the activations of 16384 positions are ~160 MB for Qwen2-0.5B's MLP in bf16.
+    max_prefill_tokens: int = 16384
     release_cache_on_sleep: bool = True  # sleep frees the KV cache (colocated training)
     alias_weights: bool = False  # share the actor's tensors when dtype/device match
     # multi-turn: keep a trajectory's K/V between its turns (False: re-prefill each turn)
