@@ -87,10 +87,16 @@ from hybridflow.stages.common import (
     chunked_no_grad,
     options_path,
     response_logprobs,
-    slice_rows,
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
-from hybridflow.stages.packing import PackingOptions, check_packing, forward_groups
+from hybridflow.stages.packing import (
+    PackingOptions,
+    Rows,
+    check_packing,
+    forward_groups,
+    gather_rows,
+    group_batch,
+)
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
 from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
@@ -254,13 +260,14 @@ class Actor(ShardedModelRole, RoleBase):
         lps, ents = [], []
         with torch.no_grad():
             for rows in self._groups(batch):
-                lp, ent = self._logprobs(slice_rows(batch, rows), with_entropy=True)
+                lp, ent = self._logprobs(group_batch(batch, rows), with_entropy=True)
                 assert ent is not None
-                lps.append(lp.float().cpu())
-                ents.append(ent.float().cpu())
-        return {"old_logprobs": torch.cat(lps), "entropy": torch.cat(ents)}
+                lps.append((rows, lp.float().cpu()))
+                ents.append((rows, ent.float().cpu()))
+        n, r = batch["response_ids"].shape
+        return {"old_logprobs": gather_rows(lps, n, r), "entropy": gather_rows(ents, n, r)}
 
-    def _groups(self, batch: Batch) -> Iterator[slice]:
+    def _groups(self, batch: Batch) -> Iterator[Rows]:
         """The row groups of one forward each (forward_batch_size rows or a token budget)."""
         assert self.opts is not None
         return forward_groups(batch, self.opts, self.opts.forward_batch_size)

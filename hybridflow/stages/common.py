@@ -38,7 +38,14 @@ from hybridflow.errors import BatchError
 from hybridflow.models.head_logprobs import chunkable, model_head_logprobs
 from hybridflow.models.loader import ModelKind, ModelOptions, load_model, load_tokenizer
 from hybridflow.stages.base import Batch, StageContext
-from hybridflow.stages.packing import pack_rows, response_span, scatter_rows
+from hybridflow.stages.packing import (
+    Rows,
+    gather_rows,
+    group_batch,
+    pack_rows,
+    response_span,
+    scatter_rows,
+)
 
 _CHUNK = 1024  # positions per float32 chunk in no-grad log-prob / entropy
 
@@ -305,15 +312,16 @@ def response_values(
 
 
 def chunked_no_grad(
-    fn: Any, batch: Batch, size: int, groups: Iterable[slice] | None = None
+    fn: Any, batch: Batch, size: int, groups: Iterable[Rows] | None = None
 ) -> torch.Tensor:
-    """Run `fn(sub_batch) -> [b, ...]` over row chunks (`groups`, default: `size` rows at
-    a time) under no_grad; concatenate on CPU."""
+    """Run `fn(sub_batch) -> [b, ...]` over row groups (`groups`, default: `size` rows at
+    a time; each trimmed of its unused padding, packing.group_batch) under no_grad ->
+    [B, ...] on CPU in the batch's row order, [b, r] outputs padded back to [B, R]."""
     n = next(iter(batch.values())).shape[0]
     rows = row_chunks(n, size) if groups is None else groups
     with torch.no_grad():
-        parts = [fn(slice_rows(batch, sl)).detach().float().cpu() for sl in rows]
-    return torch.cat(parts, dim=0)
+        parts = [(sl, fn(group_batch(batch, sl)).detach().float().cpu()) for sl in rows]
+    return gather_rows(parts, n, batch["response_ids"].shape[1])
 
 
 def to_cpu(obj: Any) -> Any:

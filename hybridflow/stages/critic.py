@@ -44,7 +44,7 @@ from hybridflow.stages.common import (
     response_values,
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
-from hybridflow.stages.packing import PackingOptions, check_packing, forward_groups
+from hybridflow.stages.packing import PackingOptions, Rows, check_packing, forward_groups
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
 from hybridflow.stages.trainer import Trainer, TrainOptions, denominator
@@ -121,7 +121,7 @@ class Critic(ShardedModelRole, RoleBase):
         assert self.trainer is not None
         return {}, self.trainer.step()
 
-    def _groups(self, batch: Batch) -> Iterator[slice]:
+    def _groups(self, batch: Batch) -> Iterator[Rows]:
         """The row groups of one forward each (forward_batch_size rows or a token budget)."""
         assert self.opts is not None
         return forward_groups(batch, self.opts, self.opts.forward_batch_size)

@@ -54,14 +54,15 @@ import torch
 from hybridflow.algos.losses import TrainerAggMode
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.base import Batch, Metrics
-from hybridflow.stages.common import row_chunks, slice_rows, to_cpu
+from hybridflow.stages.common import row_chunks, to_cpu
+from hybridflow.stages.packing import Rows, group_batch
 from hybridflow.stages.parallel.fsdp import norm_value
 from hybridflow.stages.parallel.group import Group
 
 # (micro-batch rows) -> (loss in sum form with grad, denominator, per-row-mean stats)
 LossFn = Callable[[Batch], tuple[torch.Tensor, int, dict[str, float]]]
 # (micro-batch) -> the row groups that run one forward+backward each, covering every row
-Split = Callable[[Batch], Iterable[slice]]
+Split = Callable[[Batch], Iterable[Rows]]
 
 
 @dataclass
@@ -238,7 +239,7 @@ class Trainer:
         mb_sum: dict[str, float] = {}
         mb_weight = 0
         for rows in self.split(mb):
-            loss, denom, stats = loss_fn(slice_rows(mb, rows))
+            loss, denom, stats = loss_fn(group_batch(mb, rows))
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"{self.prefix}: non-finite loss {float(loss)} on a micro-batch "

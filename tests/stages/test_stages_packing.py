@@ -10,7 +10,6 @@ step (eps 1.0: linear in the gradient) to rtol 1e-4 / atol 1e-7.
 
 from __future__ import annotations
 
-import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +24,10 @@ from hybridflow.stages.packing import (
     PackingOptions,
     check_packing,
     forward_groups,
+    gather_rows,
+    group_batch,
     pack_rows,
+    response_span,
     row_groups,
     row_tokens,
 )
@@ -210,10 +212,40 @@ def test_forward_groups_count_prompt_and_response_span_tokens(batch):
     assert int(tokens[6] - prompt[6]) == RESP_LEN[6]  # the observation's tokens count
     budget = int(tokens.max())  # the longest row fits exactly
     groups = list(forward_groups(batch, PackingOptions(max_tokens_per_micro_batch=budget), 0))
-    assert groups[0].start == 0 and groups[-1].stop == len(RESP_LEN)
-    assert all(a.stop == b.start for a, b in itertools.pairwise(groups))
+    # a partition of the rows, longest first (similar lengths share a padded forward)
+    assert sorted(torch.cat(groups).tolist()) == list(range(len(RESP_LEN)))
+    order = torch.cat(groups)
+    assert tokens[order].tolist() == sorted(tokens.tolist(), reverse=True)
     assert all(int(tokens[g].sum()) <= budget for g in groups)
     assert len(groups) > 1
+
+
+def test_a_group_drops_the_padding_columns_none_of_its_rows_uses(batch):
+    """group_batch cuts prompt columns before the group's longest prompt and response
+    columns after its longest response span, in every value that wide; gather_rows puts
+    [b, r] outputs back where the rows came from, zero-padded."""
+    batch = {**batch, "advantages": torch.randn(batch["response_mask"].shape)}
+    tokens = row_tokens(batch)
+    short = torch.sort(tokens).indices[:2]  # the two shortest rows
+    sub = group_batch(batch, short)
+    span = int(response_span(batch["response_mask"][short]).sum(-1).max())
+    longest_prompt = int(batch["prompt_mask"][short].sum(-1).max())
+    assert sub["response_ids"].shape[1] == sub["advantages"].shape[1] == span
+    assert sub["prompt_ids"].shape[1] == sub["prompt_mask"].shape[1] == longest_prompt
+    assert torch.equal(sub["advantages"], batch["advantages"][short, :span])
+    assert int(sub["prompt_mask"].sum()) == int(
+        batch["prompt_mask"][short].sum()
+    )  # no real token cut
+    whole = group_batch(batch, slice(0, len(RESP_LEN)))
+    assert (
+        whole["response_ids"].shape == batch["response_ids"].shape
+    )  # the longest row keeps it all
+    r = batch["response_ids"].shape[1]
+    rest = torch.tensor([i for i in range(len(RESP_LEN)) if i not in short.tolist()])
+    out = gather_rows(
+        [(short, torch.ones(2, span)), (rest, 2 * torch.ones(len(rest), r))], len(RESP_LEN), r
+    )
+    assert out[short, :span].eq(1).all() and out[short, span:].eq(0).all() and out[rest].eq(2).all()
 
 
 # -- options ------------------------------------------------------------------------------
