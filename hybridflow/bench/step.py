@@ -24,6 +24,9 @@ lazy inits) and is reported apart; the figures are medians over the other steps:
                          run lasted and before it started (every process on the device,
                          CUDA contexts and caches included); null without nvidia-smi
   reward_mean            first and last step's reward/mean (a sanity check, not a goal)
+  transport              tensor megabytes the coordinator sent to stages and got back per
+                         step, the seconds it spent inside those sends (encoding and
+                         copying out; receiving is not timed) and their share of step_s
 """
 
 from __future__ import annotations
@@ -117,6 +120,14 @@ def summarize(
         "overlap_share": round(1 - step_s / sum(wall.values()), 3) if sum(wall.values()) else 0.0,
         "peak_gpu_mem_gb": round(max(peak), 2) if peak else None,
         "concurrent_generate_calls": round(med("rollout/concurrent_calls"), 2),
+        "transport": {
+            "to_stages_mb": round(med("perf/transport_to_stages_mb"), 3),
+            "from_stages_mb": round(med("perf/transport_from_stages_mb"), 3),
+            "send_s": round(med("perf/transport_send_s"), 4),
+            # the coordinator's sends as a share of the step (issue 26 item 7: a store in
+            # the stages is worth it above 3%)
+            "send_share": round(med("perf/transport_send_s") / step_s, 4) if step_s else 0.0,
+        },
         "reward_mean": [
             round(rows[0].get("reward/mean", 0.0), 4),
             round(rows[-1].get("reward/mean", 0.0), 4),

@@ -285,6 +285,13 @@ class Scheduler:
         return Dispatch(task_id, st.step, m, op, replicas, inputs, self.policy_version, samples)
 
     # -- completion ----------------------------------------------------------------------
+    def sent(self, step: int, nbytes: int, seconds: float) -> None:
+        """A task of `step` went out: `nbytes` of tensors, `seconds` inside the send."""
+        st = self._steps.get(step)
+        if st is not None:
+            st.transfer["to_stages_mb"] += nbytes / 1e6
+            st.transfer["send_s"] += seconds
+
     def complete(
         self,
         task_id: int,
@@ -292,11 +299,13 @@ class Scheduler:
         outputs: Batch,
         metrics: dict[str, float],
         compute_s: float = 0.0,
+        received_bytes: int = 0,
     ) -> None:
         t = self._tasks.get(task_id)
         if t is None or replica not in t.pending:
             raise PipelineError(f"result for unknown task {task_id} from replica {replica}")
         op, st = t.op, self._steps[t.step]
+        st.transfer["from_stages_mb"] += received_bytes / 1e6
         t.pending.discard(replica)
         if op.stage is not None:
             self.inflight[op.stage][replica] -= 1

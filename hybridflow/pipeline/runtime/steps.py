@@ -108,6 +108,11 @@ class StepState:
     phase_t0: dict[str, float] = field(default_factory=dict)
     phase_t1: dict[str, float] = field(default_factory=dict)
     compute: dict[str, float] = field(default_factory=dict)
+    # tensor bytes the coordinator sent to stages and got back, and seconds inside its
+    # sends (encode + copy out): what carrying values through the coordinator costs
+    transfer: dict[str, float] = field(
+        default_factory=lambda: {"to_stages_mb": 0.0, "from_stages_mb": 0.0, "send_s": 0.0}
+    )
     head_versions: list[int] = field(default_factory=list)
     ops_left: int = 0
     picks: list[tuple[int, int]] = field(default_factory=list)  # sample rows: (mb, row)
@@ -223,6 +228,10 @@ class StepState:
             metrics[f"timing/{phase}"] = self.phase_t1.get(phase, now) - t0
             metrics[f"compute/{phase}"] = self.compute.get(phase, 0.0)
         metrics["timing/step"] = now - self.t_start
+        # Under perf/ with the clocks: what a step moves depends on more than its values
+        # (the samples a run records are returned by the stages that make them).
+        for key, value in self.transfer.items():
+            metrics[f"perf/transport_{key}"] = value
         last = last_finish if last_finish is not None else self.t_start
         metrics["timing/period"] = now - last
         versions = self.head_versions or [policy_version]

@@ -298,6 +298,7 @@ class Coordinator:
                 rx.tensors,
                 msg.metrics,
                 float(compute_s) if isinstance(compute_s, (int, float)) else 0.0,
+                received_bytes=sum(t.nbytes for t in rx.tensors.values()),
             )
             self._wake.set()
         elif isinstance(msg, ControlDone):
@@ -363,13 +364,17 @@ class Coordinator:
             ident = f"{d.op.stage}/{r}".encode()
             peer = self.peers[ident]
             peer.given(d.task_id, (op.label, d.step, d.mb_id))
+            inputs = d.inputs_for(r)
+            t0 = time.perf_counter()
             try:
-                await self.chan.send(task, d.inputs_for(r), to=ident)
+                await self.chan.send(task, inputs, to=ident)
             except PeerDeadError:
                 # The process is gone: give the liveness loop a moment to report it with
                 # its exit status (a better message than "not connected").
                 await asyncio.sleep(0.5)
                 raise
+            sent_s = time.perf_counter() - t0
+            self.sched.sent(d.step, sum(t.nbytes for t in inputs.values()), sent_s)
             now = asyncio.get_running_loop().time()
             peer.sent(d.task_id, now, bound.seconds, bound.key, note=bound.note)
 
