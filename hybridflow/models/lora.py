@@ -32,7 +32,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -42,6 +42,26 @@ from hybridflow.models.heads import HEAD_ATTR
 ALL_LINEAR = "all-linear"
 _ADAPTER = "default"  # peft's adapter name; one adapter per model
 _BASE, _A, _B = ".base_layer.", f".lora_A.{_ADAPTER}.", f".lora_B.{_ADAPTER}."
+# What a LoRA actor sends a rollout: the merged weights under the base names, or (a
+# rollout holding the same adapters unmerged: stages/rollout/adapters.py) the adapters.
+LoraSync = Literal["merged", "adapters"]
+# The keys that fix an adapter's shape and scaling: what a rollout copies to hold it.
+SHAPE_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether `name` (a wrapped model's parameter) is a lora_A / lora_B weight."""
+    return _A in name or _B in name
+
+
+def is_lora_b(name: str) -> bool:
+    return _B in name
+
+
+def base_name(name: str) -> str | None:
+    """`x.q_proj.base_layer.weight` -> `x.q_proj.weight` (the unwrapped model's name);
+    None for a name outside an adapted layer's base."""
+    return name.replace(_BASE, ".", 1) if _BASE in name else None
 
 
 @dataclass

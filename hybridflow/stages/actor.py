@@ -44,8 +44,9 @@ sampler's) log-probs; MIS drops whole sequences from the loss and its denominato
 Metrics actor/rollout_corr/{mismatch_kl, mismatch_k3, weight_mean, weight_max,
 masked_frac} (weight_max: the mean of micro-batch maxima).
 
-LoRA (`lora_rank > 0`, models/lora.py): only adapters train; `named_weights` sends the
-merged weights under the base names; a colocated reference runs on the base weights.
+LoRA (`lora_rank > 0`, models/lora.py): only adapters train; a sync sends the merged
+weights under the base names, or with `lora_sync: adapters` the whole model once and then
+the adapters only (stages/actor_sync.py); a colocated reference runs on the base weights.
 
 Several devices (stages/parallel/): the actor's replicas are the ranks of one FSDP
 group (`fsdp*` options); every task reaches every rank with its share of the rows,
@@ -78,7 +79,8 @@ from hybridflow.config.loader import from_dict
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.models.head_logprobs import LogprobOptions
 from hybridflow.models.loader import ModelOptions
-from hybridflow.models.lora import LoraOptions
+from hybridflow.models.lora import LoraOptions, LoraSync
+from hybridflow.stages.actor_sync import PolicySender
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import (
     SEQUENCE_FIELDS,
@@ -124,6 +126,10 @@ class ActorOptions(
     rollout_mis_low: float = 0.5  # MIS: keep sequences whose ratio is in [low, high]
     rollout_mis_high: float = 2.0  # MIS: the upper end of that range
     rollout_role: str = "rollout"  # colocated role that `reshard` writes into
+    # LoRA: what a sync sends the rollout. merged: the full merged weights every time (any
+    # backend; decode runs the plain model). adapters: the whole model once, then only the
+    # adapters (MBs), the rollout holding them unmerged (hf, native; stages/actor_sync.py)
+    lora_sync: LoraSync = "merged"
     weight_bucket_mb: float = 64.0  # reshard/export buckets hold whole parameters up to this
     gradient_checkpointing: bool = False  # recompute activations in backward (transformers')
 
@@ -167,9 +173,13 @@ class ActorOptions(
                 )
         if self.weight_bucket_mb <= 0:
             raise ConfigError(f"{path}.weight_bucket_mb", "must be > 0")
+        if self.lora_sync == "adapters" and not self.lora:
+            raise ConfigError(
+                f"{path}.lora_sync", "adapters syncs LoRA adapters: set lora_rank > 0 (or unset it)"
+            )
 
 
-class Actor(ShardedModelRole, RoleBase):
+class Actor(PolicySender, ShardedModelRole, RoleBase):
     """Registered as ("actor", "hf")."""
 
     options_cls = ActorOptions  # checked at plan time too (pipeline/plan/planner.py)
@@ -182,6 +192,7 @@ class Actor(ShardedModelRole, RoleBase):
         self.model: Any = None
         self.trainer: Trainer | None = None
         self.version = 0
+        self._channels: set[str] = set()  # sync channels served the base (actor_sync.py)
 
     # -- lifecycle -----------------------------------------------------------------------
     def setup(self, ctx: StageContext) -> None:
@@ -438,52 +449,6 @@ class Actor(ShardedModelRole, RoleBase):
         count = denominator(mask, agg)
         loss = aggregate(-logprobs, mask, agg, denom=1.0)
         return loss, count, {"sft_loss": float(loss.detach()) / max(count, 1)}
-
-    # -- weights to the rollout engine ---------------------------------------------------
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, detached tensor on the training device), one parameter at a
-        time; tied parameters appear once. This is what `update_weights` consumes. Under
-        LoRA: the base model's names, adapters merged (the engines load them unchanged)."""
-        yield from self.named_policy_weights()
-
-    def weight_buckets(self, bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
-        """The weights grouped into buckets of whole parameters, <= `bucket_bytes` each
-        (a parameter larger than that is a bucket of its own). Deterministic order."""
-        assert self.opts is not None
-        limit = bucket_bytes or int(self.opts.weight_bucket_mb * (1 << 20))
-        bucket: dict[str, torch.Tensor] = {}
-        size = 0
-        for name, t in self.named_weights():
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > limit:
-                yield bucket
-                bucket, size = {}, 0
-            bucket[name] = t
-            size += nbytes
-        if bucket:
-            yield bucket
-
-    def reshard(self, version: Any = None) -> Metrics:
-        assert self.opts is not None
-        target = self.ctx.colocated.get(self.opts.rollout_role)
-        if target is None or not type(target).receives_weights:
-            raise BatchError(
-                f"actor.reshard: no colocated rollout role {self.opts.rollout_role!r} with "
-                f"update_weights (colocated: {sorted(self.ctx.colocated)}); with the rollout "
-                "in another stage, add the step op `{role: rollout, op: load_weights, scope: "
-                "step}` (no inputs) to the dataflow: reshard then streams the weights to it"
-            )
-        v = self.version if version is None else int(version)
-        return dict(target.update_weights(self.named_weights(), version=v))
-
-    def export_weights(self, bucket: int) -> tuple[Batch, Metrics]:
-        buckets = list(self.weight_buckets())
-        if bucket >= len(buckets) or bucket < -1:
-            raise BatchError(f"actor.export_weights: bucket {bucket} of {len(buckets)}")
-        chosen = buckets if bucket == -1 else [buckets[bucket]]
-        out = {k: v.to("cpu", copy=True) for b in chosen for k, v in b.items()}
-        nbytes = sum(v.numel() * v.element_size() for v in out.values())
-        return out, {"weights/num_buckets": float(len(buckets)), "weights/bytes": float(nbytes)}
 
 
 def _field(batch: Batch, name: str, mask: torch.Tensor, where: str) -> torch.Tensor:

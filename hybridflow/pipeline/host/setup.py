@@ -11,8 +11,10 @@ in every stage (actor and reference build identical initial weights from it); de
 per-purpose streams from it. `ctx.colocated` holds every role of this process (the hybrid
 engine's in-process hand-off); they are all constructed before any `setup`, in config
 order, and a role's `bind_colocated()` (when it has one) runs once every setup has
-returned. With `resume_dir`, every role's state and the process's RNG are restored right
-after (pipeline/checkpoint/stage.py).
+returned; before it, a rollout fed a LoRA actor's adapters (`lora_sync: adapters`) is
+told to hold them (`hold_adapters`, pipeline/plan/weight_links.py `adapter_syncs`). With
+`resume_dir`, every role's state and the process's RNG are restored right after
+(pipeline/checkpoint/stage.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from hybridflow.pipeline.host.launch_spec import LaunchSpec
 from hybridflow.pipeline.host.weight_sync import StageWeightSync
 from hybridflow.pipeline.host.worker import Worker
 from hybridflow.pipeline.plan.planner import role_ops
+from hybridflow.pipeline.plan.weight_links import adapter_syncs
 from hybridflow.stages import StageContext, create_role
 from hybridflow.stages.base import Role, StageWorld
 
@@ -89,6 +92,10 @@ async def set_up(
         for name, rc in cfg.roles.items():
             part = name
             await worker.call(roles[name].setup, _context(spec, topo, roles, name, rc, device))
+        for sync in adapter_syncs(topo):  # rollouts fed a LoRA actor's adapters hold them
+            for name in (t for t in sync.targets if t in roles):
+                part = name
+                await worker.call(roles[name].hold_adapters, sync.lora, topo.seed)  # type: ignore[attr-defined]
         for name, role in roles.items():
             # What a role takes from a neighbour set up after it (a reference lent
             # the LoRA actor's base weights: stages/reference.py), once all are up.

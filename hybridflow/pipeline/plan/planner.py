@@ -134,10 +134,11 @@ def build_plan(topo: Topology, *, check_devices: bool = False, check_data: bool 
     if check_devices:
         check_devices_exist(topo)
     role_stage = topo.role_stage()
-    from hybridflow.pipeline.plan.weight_links import sync_partners
+    from hybridflow.pipeline.plan.weight_links import adapter_syncs, sync_partners
 
     # A reshard streaming to another stage and that stage's load_weights run together.
     partners = sync_partners(topo)
+    adapter_syncs(topo)  # every rollout fed adapters can hold them
     producer: dict[str, int] = {name: DATA for name in topo.data.fields}
     phases: list[str] = []
     ops: list[PlannedOp] = []

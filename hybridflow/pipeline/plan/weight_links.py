@@ -6,11 +6,19 @@ them to let the two ops of a link run together in the step barrier; the stage ho
 A link exists for a step op `R.load_weights` with **no inputs** hosted by another stage
 than a step op `A.reshard`: A's replica 0 sends to every replica of R's stage, over NCCL
 when every end is on CUDA, else over pooled shared memory.
+
+Adapter syncs (`adapter_syncs`): a LoRA actor with `lora_sync: adapters` sends its rollouts
+the whole model once, then only its adapters (stages/actor_sync.py). Every rollout it feeds
+(its colocated `rollout_role`, the targets of its link) must then hold the same adapters
+unmerged: the stage host calls their `hold_adapters` after setup, and a backend that cannot
+(`takes_adapters` False: vLLM) is a ConfigError naming the actor's `lora_sync`. Refused,
+not merged instead: the option asks for adapter-sized syncs, and silently sending full
+weights every step would hide that it does not get them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hybridflow.config.schema import Topology
@@ -130,3 +138,46 @@ def describe_links(topo: Topology) -> list[dict[str, Any]]:
         }
         for link in links(topo)
     ]
+
+
+@dataclass(frozen=True)
+class AdapterSync:
+    """One LoRA actor whose syncs carry adapters, and the rollout roles holding them."""
+
+    source: str  # the actor role
+    targets: tuple[str, ...]  # rollout roles (any stage) that hold its adapters unmerged
+    lora: dict[str, Any] = field(default_factory=dict)  # its lora_rank/alpha/target_modules
+
+
+def adapter_syncs(topo: Topology) -> tuple[AdapterSync, ...]:
+    """The actors with `lora_sync: adapters` that reshard, and whom they feed (module
+    docstring). Raises ConfigError naming `lora_sync` for a target that cannot hold them."""
+    from hybridflow.models.lora import SHAPE_KEYS, LoraOptions
+
+    where = topo.role_stage()
+    streamed = {link.source: link.targets for link in links(topo)}
+    out = []
+    for role in dict.fromkeys(op.role for op in topo.dataflow if op.op == "reshard"):
+        stage = where.get(role)
+        if stage is None:
+            continue
+        options = topo.stages[stage].roles[role].options
+        if options.get("lora_sync", "merged") != "adapters":
+            continue
+        local = str(options.get("rollout_role", "rollout"))
+        targets: tuple[str, ...] = (local,) if local in topo.stages[stage].roles else ()
+        targets += tuple(t for t in streamed.get(role, ()) if t not in targets)
+        for t in targets:
+            rc = topo.stages[where[t]].roles[t]
+            if not getattr(backend_class(rc.kind_of(t), rc.backend), "takes_adapters", False):
+                raise ConfigError(
+                    f"stages.{stage}.roles.{role}.options.lora_sync",
+                    f"adapters needs every rollout it feeds to hold the adapters unmerged, "
+                    f"and {t} (backend {rc.backend}, stage {where[t]}) cannot; use "
+                    "lora_sync: merged (full merged weights at every sync) or an hf / native "
+                    "rollout",
+                )
+        defaults = LoraOptions()
+        lora = {k: options.get(k, getattr(defaults, k)) for k in SHAPE_KEYS}
+        out.append(AdapterSync(role, targets, lora))
+    return tuple(out)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -67,6 +67,7 @@ from hybridflow.stages.common import (
     row_chunks,
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
+from hybridflow.stages.rollout.adapters import AdapterWeights, hold
 from hybridflow.stages.rollout.multiturn import (
     TrajectoryLoop,
     TurnOutput,
@@ -92,6 +93,7 @@ class HFRollout(RolloutState, RoleBase):
 
     backend_name = "hf"
     runs_environments = True
+    takes_adapters = True
 
     options_cls = HFRolloutOptions  # checked at plan time too (pipeline/plan/planner.py)
 
@@ -108,6 +110,7 @@ class HFRollout(RolloutState, RoleBase):
         opts = from_dict(HFRolloutOptions, dict(ctx.options), options_path(ctx))
         self.opts = opts
         self.device = ctx.device
+        self._path = options_path(ctx)
         self.seed = ctx.seed if opts.seed is None else opts.seed
         self.tokenizer, self.model = build_model(ctx, opts, "causal_lm")
         self.model.requires_grad_(False)
@@ -133,6 +136,12 @@ class HFRollout(RolloutState, RoleBase):
             self.eos_ids,
             getattr(self.model.config, "max_position_embeddings", None),
         )
+
+    def hold_adapters(self, lora: Mapping[str, Any], seed: int) -> None:
+        """Hold a LoRA actor's adapters unmerged (rollout/adapters.py): wrap the model with
+        its config; updates then go through AdapterWeights."""
+        hold(self.model, lora, seed=seed, path=self._path)
+        self.weights = AdapterWeights(self.model)
 
     def close(self) -> None:
         self.model = None

@@ -126,6 +126,9 @@ class RolloutState:
     # Whether `generate` runs the trajectory loop when `env` is set (multiturn.py).
     runs_environments: ClassVar[bool] = False
     receives_weights: ClassVar[bool] = True  # a capability (stages/contract.py)
+    # `hold_adapters(lora, seed)`: the model can hold a LoRA actor's adapters unmerged and
+    # take adapter-only syncs (rollout/adapters.py; the actor's `lora_sync: adapters`).
+    takes_adapters: ClassVar[bool] = False
     opts: Any  # the backend's options (an HFRolloutOptions or subclass), set in setup
     seed: int  # the run's (or options.seed), set in setup
     calls: int

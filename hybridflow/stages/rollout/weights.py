@@ -139,14 +139,24 @@ class InPlaceWeights(WeightSink):
     def end(self) -> Metrics:
         self.updating = False
         if self._unwritten:
-            missing = [n for n, p in self.params.items() if id(p) in self._unwritten]
-            raise BatchError(
-                f"load_weights: incomplete update, {len(missing)} parameter(s) never "
-                f"received, e.g. {missing[:4]}"
-            )
+            raise incomplete(self.unwritten())
         self.ok = True
+        return self.metrics()
+
+    def unwritten(self) -> list[str]:
+        """The names of the parameters this update has not written (yet)."""
+        return [n for n, p in self.params.items() if id(p) in self._unwritten]
+
+    def metrics(self) -> Metrics:
         return {
             "timing/reshard": time.perf_counter() - self._t0,
             "reshard/bytes": float(self._bytes),
             "reshard/tensors": float(self._tensors),
         }
+
+
+def incomplete(missing: list[str]) -> BatchError:
+    return BatchError(
+        f"load_weights: incomplete update, {len(missing)} parameter(s) never received, "
+        f"e.g. {missing[:4]}"
+    )

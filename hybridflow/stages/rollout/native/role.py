@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -46,6 +47,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.stages.base import Batch, Metrics, Params, StageContext
 from hybridflow.stages.common import build_model, mix_seed, options_path, require
 from hybridflow.stages.contract import RoleBase, Scope, op
+from hybridflow.stages.rollout.adapters import AdapterWeights, hold
 from hybridflow.stages.rollout.multiturn import (
     TrajectoryLoop,
     TurnOutput,
@@ -145,6 +147,7 @@ class NativeRollout(RolloutState, RoleBase):
     backend_name = "native"
     options_cls = NativeRolloutOptions
     runs_environments = True
+    takes_adapters = True
 
     def __init__(self) -> None:
         self.opts: NativeRolloutOptions | None = None
@@ -158,7 +161,7 @@ class NativeRollout(RolloutState, RoleBase):
 
     # -- lifecycle -----------------------------------------------------------------------
     def setup(self, ctx: StageContext) -> None:
-        path = options_path(ctx)
+        path = self._path = options_path(ctx)
         opts = from_dict(NativeRolloutOptions, dict(ctx.options), path)
         self.opts = opts
         self.device = ctx.device
@@ -207,6 +210,21 @@ class NativeRollout(RolloutState, RoleBase):
             sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
             assert self.engine is not None
             self.engine.gather_s = opts.admission_gather_ms / 1000
+
+    def hold_adapters(self, lora: Mapping[str, Any], seed: int) -> None:
+        """Hold a LoRA actor's adapters unmerged (rollout/adapters.py), on the engine
+        thread: the engine's forwards call the wrapped modules from now on."""
+        assert self.opts is not None
+        alias = self.opts.alias_weights
+
+        def wrap(core: NativeEngine) -> AdapterWeights:
+            model = core.model.hf
+            hold(model, lora, seed=seed, path=self._path)
+            core.model.lm_head = model.lm_head  # a targeted head is peft's layer now
+            core.refresh_graphs()  # captured over the unwrapped modules
+            return AdapterWeights(model, alias=alias)
+
+        self.weights = self._engine().call(wrap)
 
     def close(self) -> None:
         if self.loop is not None:
