@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["DaemonCalls", "TooManyStuck", "as_asyncio", "start_daemon"]
+__all__ = ["DaemonCalls", "TooManyStuck", "as_asyncio", "settle_into", "start_daemon"]
 
 
 class TooManyStuck(RuntimeError):
@@ -127,23 +127,31 @@ def as_asyncio(fut: Future[Any]) -> asyncio.Future[Any]:
     returns after the loop closed settles nothing (nobody waits any more)."""
     loop = asyncio.get_running_loop()
     out: asyncio.Future[Any] = loop.create_future()
+    settle_into(fut, out, loop)
+    return out
 
-    def settle(src: Future[Any]) -> None:
-        if out.done():  # abandoned at its deadline (cancelled by wait_for)
+
+def settle_into(
+    src: Future[Any], out: asyncio.Future[Any], loop: asyncio.AbstractEventLoop
+) -> None:
+    """When `src` (settled on any thread) is done, copy its outcome into `out` on `loop`,
+    unless `out` is done by then (cancelled, abandoned); a closed loop gets nothing."""
+
+    def settle(done: Future[Any]) -> None:
+        if out.done():
             return
-        exc = src.exception()
+        exc = done.exception()
         if exc is not None:
             out.set_exception(exc)
         else:
-            out.set_result(src.result())
+            out.set_result(done.result())
 
-    def done(src: Future[Any]) -> None:
+    def wake(done: Future[Any]) -> None:
         # RuntimeError: the loop closed while the call ran
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, src)
+            loop.call_soon_threadsafe(settle, done)
 
-    fut.add_done_callback(done)
-    return out
+    src.add_done_callback(wake)
 
 
 class DaemonCalls:

@@ -29,10 +29,9 @@ there for them); a cancelled caller's request is not sent.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 from collections.abc import Hashable, Sequence
-from typing import Any
 
+from hybridflow.stages.deadline import settle_into
 from hybridflow.stages.rollout.native.frontend import AsyncEngine
 from hybridflow.stages.rollout.native.request import Request, RequestOutput
 
@@ -97,24 +96,4 @@ class TickBatcher:
             return
         assert loop is not None
         for (_, fut), done in zip(batch, futures, strict=True):
-            done.add_done_callback(lambda d, f=fut: _wake(loop, d, f))
-
-
-def _wake(
-    loop: asyncio.AbstractEventLoop, done: cf.Future[RequestOutput], fut: asyncio.Future[Any]
-) -> None:
-    """On the engine thread: hand `done`'s outcome to the caller's loop (gone: nobody
-    waits any more)."""
-    if not loop.is_closed():
-        loop.call_soon_threadsafe(_settle, done, fut)
-
-
-def _settle(done: cf.Future[RequestOutput], fut: asyncio.Future[RequestOutput]) -> None:
-    """Copy an engine future's outcome to its caller's (on the caller's loop)."""
-    if fut.done():  # cancelled meanwhile
-        return
-    exc = done.exception()
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(done.result())
+            settle_into(done, fut, loop)
