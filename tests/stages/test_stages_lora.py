@@ -289,7 +289,9 @@ def test_the_lora_reshard_bench_reports_merged_and_adapter_bytes(capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--presets", "tiny", "--ranks", "8", "--reps", "1"]) == 0
-    full, lora = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    full, lora, adapters = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert adapters["sync"] == "adapters" and adapters["sent_bytes"] == lora["adapter_bytes"]
+    assert adapters["first_bytes"] > full["sent_bytes"]  # the base and the adapters, once
     assert full["lora_rank"] == 0 and lora["lora_rank"] == 8
     assert lora["sent_bytes"] == full["sent_bytes"]  # merged: the base model's bytes
     assert 0 < lora["adapter_bytes"] < full["sent_bytes"] and full["adapter_bytes"] == 0

@@ -5,6 +5,8 @@ sets the roles up (the actor's colocated reshard is the same code as the stream'
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -146,3 +148,34 @@ def test_lora_sync_adapters_without_lora_is_named():
     assert "lora_sync" in err.value.path and "lora_rank" in str(err.value)
     with pytest.raises(ConfigError, match="lora_sync"):
         make_role(Actor, "actor", {"model": "tiny", **LORA, "lora_sync": "adapter"})
+
+
+def test_bytes_per_sync_adapters_against_merged_for_tiny_and_a_qwen2_05b_shape(capsys):
+    """The bench's numbers (bench/lora_reshard.py): the tiny model measured, the Qwen2-0.5B
+    shape counted on the meta device (nothing allocated, nothing downloaded)."""
+    path = Path(__file__).parents[2] / "bench" / "lora_reshard.py"
+    spec = importlib.util.spec_from_file_location("lora_reshard", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--presets", "tiny", "--sync", "adapters", "--ranks", "8", "64", "--reps", "1"]
+    assert bench.main([*argv, "--shapes", "qwen2-0.5b"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tiny = {r["lora_rank"]: r for r in rows if r["preset"] == "tiny"}
+    shape = {r["lora_rank"]: r for r in rows if r["preset"] == "qwen2-0.5b"}
+    for r in tiny.values():
+        assert r["sent_bytes"] < r["first_bytes"]
+    assert tiny[8]["sent_bytes"] * 5 < tiny[8]["first_bytes"]
+    for r in shape.values():  # fp32: the merged sync is the model's 494M parameters
+        assert r["merged_bytes"] == 494_032_768 * 4
+        assert r["merged_bytes"] < r["first_bytes"] < r["merged_bytes"] * 1.2
+    assert shape[8]["adapter_bytes"] * 100 < shape[8]["merged_bytes"]
+    assert shape[64]["adapter_bytes"] * 10 < shape[64]["merged_bytes"]
+    with capsys.disabled():  # the numbers, for the report (pytest -s shows them)
+        for r in rows:
+            every = r.get("merged_bytes", r.get("first_bytes"))
+            print(
+                f"\n{r['preset']} r{r['lora_rank']}: full {every} B, then adapters "
+                f"{r['adapter_bytes']} B per sync",
+                end="",
+            )
