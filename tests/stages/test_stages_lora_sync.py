@@ -179,3 +179,20 @@ def test_bytes_per_sync_adapters_against_merged_for_tiny_and_a_qwen2_05b_shape(c
                 f"{r['adapter_bytes']} B per sync",
                 end="",
             )
+
+
+def test_an_aliasing_native_rollout_shares_the_actors_base_and_adapters():
+    """Colocated with `alias_weights`, the full sync makes the engine's parameters the
+    actor's tensors (no second copy of the base), and the adapter-only syncs that follow
+    are no-ops on storage; decode still equals a merged rollout's."""
+    merged_actor, merged = _engine("tiny", "native", "merged")
+    actor, native = _engine("tiny", "native", "adapters", alias_weights=True)
+    for r in range(2):
+        _push(merged_actor, r)
+        _push(actor, r)
+        merged_actor.handle("reshard", {}, {})
+        actor.handle("reshard", {}, {})
+        assert torch.equal(_greedy(merged)["response_ids"], _greedy(native)["response_ids"])
+    mine = dict(unmerged_model(native).named_parameters())
+    for n, p in actor.model.named_parameters():
+        assert mine[n].data_ptr() == p.data_ptr(), n

@@ -18,6 +18,8 @@ Same contract as the `vllm` backend (rollout_vllm.py), so the two are interchang
                 presets written for the vllm backend run unchanged.
 
 In-process hand-off from a colocated actor: `update_weights(iterable of (name, tensor), version)`.
+A LoRA actor with `lora_sync: adapters`: the stage host calls `hold_adapters(lora, seed)`
+after setup, and the model then holds the adapters unmerged (rollout/adapters.py).
 
 Multi-turn (options `env`, ...; state.py): `generate` runs the trajectory loop
 (multiturn.py) with this backend's sampler as its turn engine (`_HFTurns`: each turn

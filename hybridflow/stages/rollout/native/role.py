@@ -18,7 +18,8 @@ Ops (declared with stages/contract.py's `@op`; `RoleBase.handle` runs them synch
   sleep         step op: frees the KV cache and CUDA graphs (`release_cache_on_sleep`)
   wake_up       step op: re-allocates them (and re-captures the graphs)
 Not an op: `update_weights(iterable of (name, tensor), version)`, the in-process hand-off
-of a colocated actor (actor.reshard calls it).
+of a colocated actor (actor.reshard calls it); `hold_adapters(lora, seed)`, called by the
+stage host after setup when a LoRA actor syncs adapters only (rollout/adapters.py).
 
 Randomness: each call's seed is `params["seed"]`, else mix_seed(seed, step, mb_id), else
 mix_seed(seed, "call", counter), as in the hf backend; the samples of a call depend on that
