@@ -31,10 +31,8 @@ from typing import Any
 
 import torch
 
-from hybridflow.bench.reshard import best_of
-from hybridflow.models import builtin_tokenizer
+from hybridflow.bench.reshard import best_of, meta_model
 from hybridflow.models.lora import SHAPE_KEYS, LoraOptions, is_adapter, wrap
-from hybridflow.models.presets import preset_config
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.base import StageContext, StageWorld
 from hybridflow.stages.rollout.hf import HFRollout
@@ -107,18 +105,7 @@ def measure_adapters(preset: str, rank: int, reps: int) -> dict[str, Any]:
 
 def shape_bytes(preset: str, rank: int) -> dict[str, Any]:
     """Bytes per sync of `preset` (fp32) at `rank`, from a model on the meta device."""
-    from transformers import AutoModelForCausalLM
-
-    tok = builtin_tokenizer()
-    config = preset_config(
-        preset,
-        vocab_size=len(tok),
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-    )
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(preset)
     merged = _nbytes(model.named_parameters())
     wrap(model, LoraOptions(lora_rank=rank), kind="causal_lm", seed=0, path="shapes")
     named = list(model.named_parameters())

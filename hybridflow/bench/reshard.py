@@ -221,8 +221,9 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> float:
     return float(sum(float(tensors[n].double().sum()) for n in sorted(tensors)))
 
 
-def _param_shapes(preset: str) -> list[tuple[str, list[int]]]:
-    """(name, shape) of every parameter of the preset, from a model on the meta device."""
+def meta_model(preset: str) -> Any:
+    """The preset's causal LM (built-in tokenizer's vocabulary) on the meta device: its
+    parameters' names and shapes, no memory."""
     from transformers import AutoModelForCausalLM
 
     tok = builtin_tokenizer()
@@ -234,8 +235,12 @@ def _param_shapes(preset: str) -> list[tuple[str, list[int]]]:
         bos_token_id=tok.bos_token_id,
     )
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return [(n, list(p.shape)) for n, p in model.named_parameters()]
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def _param_shapes(preset: str) -> list[tuple[str, list[int]]]:
+    """(name, shape) of every parameter of the preset."""
+    return [(n, list(p.shape)) for n, p in meta_model(preset).named_parameters()]
 
 
 def _buckets(tensors: dict[str, torch.Tensor], limit: int) -> Iterator[dict[str, torch.Tensor]]:
