@@ -59,6 +59,7 @@ from hybridflow.pipeline.host.weight_stream import WeightReceiver, WeightSender
 from hybridflow.pipeline.host.weight_sync import identity
 from hybridflow.pipeline.runtime.runner import run_topology
 from hybridflow.stages.actor import Actor
+from hybridflow.stages.actor_sync import size_buckets
 from hybridflow.stages.base import StageContext
 from hybridflow.stages.rollout.hf import HFRollout
 from hybridflow.transport import aio, auth
@@ -245,17 +246,7 @@ def _param_shapes(preset: str) -> list[tuple[str, list[int]]]:
 
 def _buckets(tensors: dict[str, torch.Tensor], limit: int) -> Iterator[dict[str, torch.Tensor]]:
     """Whole parameters, <= `limit` bytes a bucket (the actor's `weight_buckets` rule)."""
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if bucket and size + n > limit:
-            yield bucket
-            bucket, size = {}, 0
-        bucket[name] = t
-        size += n
-    if bucket:
-        yield bucket
+    return size_buckets(tensors.items(), limit)
 
 
 async def _send_versions(

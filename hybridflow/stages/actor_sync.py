@@ -23,7 +23,7 @@ sharded actor walks the same buckets (gathers are collective), so their channels
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -74,17 +74,7 @@ class PolicySender:
 
     def _buckets(self, form: str, bucket_bytes: int | None) -> Iterator[dict[str, torch.Tensor]]:
         limit = bucket_bytes or int(self.opts.weight_bucket_mb * (1 << 20))
-        bucket: dict[str, torch.Tensor] = {}
-        size = 0
-        for name, t in self.named_weights(form):
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > limit:
-                yield bucket
-                bucket, size = {}, 0
-            bucket[name] = t
-            size += nbytes
-        if bucket:
-            yield bucket
+        yield from size_buckets(self.named_weights(form), limit)
 
     def reshard(self, version: Any = None) -> Metrics:
         target = self.ctx.colocated.get(self.opts.rollout_role)
@@ -109,3 +99,21 @@ class PolicySender:
         out = {k: v.to("cpu", copy=True) for b in chosen for k, v in b.items()}
         nbytes = sum(v.numel() * v.element_size() for v in out.values())
         return out, {"weights/num_buckets": float(len(buckets)), "weights/bytes": float(nbytes)}
+
+
+def size_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], limit: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Whole tensors in order, grouped into buckets of <= `limit` bytes (a tensor larger
+    than that is a bucket of its own)."""
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = t
+        size += nbytes
+    if bucket:
+        yield bucket
