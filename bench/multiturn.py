@@ -64,6 +64,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--gather-ms", type=float, default=None, help="admission_gather_ms (default: the role's)"
     )
     ap.add_argument(
+        "--hold-ms", type=float, default=None, help="burst_hold_ms (default: the role's)"
+    )
+    ap.add_argument(
         "--profile",
         default="",
         help="write a torch.profiler table of the timed calls (labels: the engine's parts)",
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "max_turns": args.turns,
         **({} if args.gather_ms is None else {"admission_gather_ms": args.gather_ms}),
+        **({} if args.hold_ms is None else {"burst_hold_ms": args.hold_ms}),
         "env_concurrency": args.seqs,
         "max_new_tokens": args.turn_tokens,
     }

@@ -132,10 +132,15 @@ def as_asyncio(fut: Future[Any]) -> asyncio.Future[Any]:
 
 
 def settle_into(
-    src: Future[Any], out: asyncio.Future[Any], loop: asyncio.AbstractEventLoop
+    src: Future[Any],
+    out: asyncio.Future[Any],
+    loop: asyncio.AbstractEventLoop,
+    on_result: Callable[[], None] | None = None,
 ) -> None:
     """When `src` (settled on any thread) is done, copy its outcome into `out` on `loop`,
-    unless `out` is done by then (cancelled, abandoned); a closed loop gets nothing."""
+    unless `out` is done by then (cancelled, abandoned); a closed loop gets nothing.
+    `on_result` runs on `loop` just before a result (not an error) is set, so it happens
+    before anything that awaits `out` resumes."""
 
     def settle(done: Future[Any]) -> None:
         if out.done():
@@ -144,6 +149,8 @@ def settle_into(
         if exc is not None:
             out.set_exception(exc)
         else:
+            if on_result is not None:
+                on_result()
             out.set_result(done.result())
 
     def wake(done: Future[Any]) -> None:

@@ -168,3 +168,65 @@ def test_a_closed_engine_fails_the_burst_and_a_cancelled_caller_is_not_sent(qwen
         assert batcher.engine.sent == [] and batcher.flushes == 0  # type: ignore[attr-defined]
 
     asyncio.run(cancelled())
+
+
+def _two_turns(batcher: TickBatcher, hist: list[torch.Tensor], delays: list[float]) -> list[Any]:
+    """Each session's task sends turn 1, waits its own environment delay, sends turn 2 ->
+    (turn-2 output, loop time it arrived) per session."""
+
+    async def one(k: int) -> Any:
+        loop = asyncio.get_running_loop()
+        first = await batcher.generate(Request([hist[k]], GREEDY, session=k))
+        await asyncio.sleep(delays[k])  # the environment call of this trajectory
+        grown = torch.cat([hist[k], first.tokens[0, : int(first.lengths[0])], hist[k][:2]])
+        out = await batcher.generate(Request([grown], GREEDY, session=k))
+        batcher.drop_sessions([k])
+        return out, loop.time()
+
+    async def main() -> list[Any]:
+        outs = await asyncio.gather(*(one(k) for k in range(len(hist))))
+        await asyncio.sleep(0.01)  # the drops' hand-over
+        return outs
+
+    return asyncio.run(main())
+
+
+def test_a_boundary_whose_environments_return_over_several_selects_is_one_burst(
+    qwen: Any,
+) -> None:
+    """The engine answered every session; they come back 50-65 ms later, 3 ms apart
+    (timers expiring in different `select`s). The burst waits for the last one: one hand-over per turn.
+    The first rule (flush at the first quiet event-loop iteration) split this turn."""
+    core = engine(qwen)
+    admissions = []
+    real = core._prefill
+    core._prefill = lambda: admissions.append(1) or real()  # type: ignore[method-assign]
+    front = AsyncEngine(core)
+    try:
+        batcher = TickBatcher(front, hold_s=5.0)
+        bursts: list[int] = []
+        submit = front.submit_many
+
+        def counted(requests: Any, drop: Any = ()) -> Any:
+            if requests:  # the drops after the last turn go as they come: they cost nothing
+                bursts.append(len(requests))
+            return submit(requests, drop)
+
+        front.submit_many = counted  # type: ignore[method-assign]
+        _two_turns(batcher, prompts(6, seed=5), [0.05 + 0.003 * k for k in range(6)])
+    finally:
+        front.close()
+    assert bursts == [6, 6] and batcher.held == 0
+    assert len(admissions) == 2
+
+
+def test_a_session_still_away_delays_the_others_by_at_most_the_hold_bound(qwen: Any) -> None:
+    front = AsyncEngine(engine(qwen))
+    try:
+        batcher = TickBatcher(front, hold_s=0.05)
+        (fast, t_fast), (_, t_slow) = _two_turns(batcher, prompts(2, seed=8), [0.0, 1.5])
+    finally:
+        front.close()
+    assert fast.tokens.numel() > 0
+    assert batcher.held >= 1  # the fast session's turn 2 went out at the bound
+    assert t_slow - t_fast > 1.0  # ... long before the slow one came back

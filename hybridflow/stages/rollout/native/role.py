@@ -99,8 +99,13 @@ class NativeRolloutOptions(HFRolloutOptions):
     reuse_kv: bool = True
     # multi-turn: with nothing decoding, admit a turn boundary's arriving requests together
     # once none has arrived for this long (at most 20 ms; 0: admit as they come). Off by
-    # default: not yet measured on a GPU, and on the CPU machine it measured no faster.
+    # default: it measured no faster on the CPU machine, and slower on an H200 at 2 ms
+    # (bench/RESULTS.md); the loop-side burst below does this job.
     admission_gather_ms: float = 0.0
+    # multi-turn: the longest a turn boundary's burst of requests waits for trajectories
+    # still in an environment or tool call before going to the engine (submit.py); a slow
+    # environment delays the others' next turns by at most this
+    burst_hold_ms: float = 20.0
     # Benchmark knob (0 = off): each row stops at a length drawn from a log-normal of this
     # median and `forced_length_sigma`, capped at max_new_tokens, as if it emitted EOS
     # there. A random-init model never stops, so this is how a benchmark gets the length
@@ -129,6 +134,8 @@ class NativeRolloutOptions(HFRolloutOptions):
             raise bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.admission_gather_ms < 0:
             raise bad("admission_gather_ms", f"must be >= 0, got {self.admission_gather_ms}")
+        if self.burst_hold_ms < 0:
+            raise bad("burst_hold_ms", f"must be >= 0, got {self.burst_hold_ms}")
         if self.forced_length_median < 0:
             raise bad("forced_length_median", f"must be >= 0, got {self.forced_length_median}")
         if self.forced_length_sigma < 0:
@@ -303,10 +310,15 @@ class NativeRollout(RolloutState, RoleBase):
         n: int,
     ) -> tuple[Batch, Metrics]:
         """`generate` with an environment: one trajectory per row (module docstring)."""
-        assert self.loop is not None and self.engine is not None
+        assert self.loop is not None and self.engine is not None and self.opts is not None
         records = trajectory_records(batch, n, "native rollout generate")
         rows = [p.tolist() for p in prompts for _ in range(n)]  # row i*n+j: prompt i
-        turns = _NativeTurns(self.engine, replace(sampling, n=1), seed, next(self._calls))
+        turns = _NativeTurns(
+            TickBatcher(self.engine, self.opts.burst_hold_ms / 1000),
+            replace(sampling, n=1),
+            seed,
+            next(self._calls),
+        )
         t0 = time.perf_counter()
         self._active += 1
         try:
@@ -394,8 +406,8 @@ class _NativeTurns:
 
     continuous = True
 
-    def __init__(self, engine: AsyncEngine, sampling: SamplingParams, seed: int, call: int):
-        self.engine = TickBatcher(engine)  # a turn boundary reaches the engine as one burst
+    def __init__(self, engine: TickBatcher, sampling: SamplingParams, seed: int, call: int):
+        self.engine = engine  # a turn boundary reaches the engine as one burst
         self.sampling, self.seed, self.call = sampling, seed, call
         self.stop = set(sampling.stop_token_ids)
         self.reused = 0  # context positions the engine took from parked K/V
