@@ -61,17 +61,82 @@ def row_uniform(
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def _inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index drawn from exp(logp) [B, V] (rows sum to 1) with uniforms u [B] -> [B]."""
-    probs = logp.exp()
-    cdf = probs.cumsum(-1)  # [B, V]
-    x = u * cdf[:, -1]  # scale by the total so rounding in the sum cannot leave a gap
-    idx = (cdf <= x[:, None]).sum(-1)  # first index whose cdf exceeds x
-    # Rounding could still point past the last token with mass (a -inf log-prob); never
-    # return a token the distribution excludes.
-    cols = torch.arange(logp.shape[-1], device=logp.device)
-    last = torch.where(probs > 0, cols, -1).amax(-1)
-    return torch.minimum(idx, last)
+def _inverse_cdf(
+    cdf: torch.Tensor,  # [B, V] cumsum of the unnormalised mass, vocabulary order
+    mass: torch.Tensor,  # [B, V] that mass (>= 0)
+    u: torch.Tensor,  # [B] in (0, 1)
+    fallback: torch.Tensor,  # [B] int64, a token with mass (the row's argmax)
+) -> torch.Tensor:
+    """Index drawn from mass / mass.sum() with uniforms u -> [B]: the first index whose
+    cdf exceeds u * total, by binary search (O(log V) per row, not a [B, V] pass)."""
+    top = cdf[:, -1]  # scale by the cumsum's own total so rounding in it leaves no gap
+    # Strictly below the total, so some cdf entry exceeds x and the search ends at a token
+    # whose cdf rose, i.e. one with mass.
+    x = torch.minimum(u * top, torch.nextafter(top, torch.zeros_like(top)))
+    idx = torch.searchsorted(cdf, x[:, None], right=True).squeeze(-1)
+    idx = idx.clamp(max=cdf.shape[-1] - 1)
+    # Never return a token the distribution excludes, even if a parallel cumsum rounded
+    # out of order: O(B) check, the argmax always has mass.
+    ok = mass.gather(-1, idx[:, None]).squeeze(-1) > 0
+    return torch.where(ok, idx, fallback)
+
+
+def _untruncated(
+    logits: torch.Tensor,  # [B, V]
+    temp: torch.Tensor,  # [B] > 0
+    greedy: torch.Tensor,  # [B] bool: take the argmax
+    u: torch.Tensor,  # [B]
+) -> tuple[torch.Tensor, ...]:
+    """softmax(logits / temp) without materialising it: -> (tokens [B], log-probs [B],
+    mass [B, V] = exp(logits / temp - max), row max of logits / temp [B])."""
+    top, argmax = logits.max(-1)  # [B]; max(logits / T) is exactly max(logits) / T
+    peak = top / temp
+    mass = torch.addcdiv(-peak[:, None], logits, temp[:, None])  # logits / T - max
+    mass.exp_()
+    total = mass.sum(-1)  # a reduction, not the cumsum's last entry: tighter log-probs
+    tok = torch.where(greedy, argmax, _inverse_cdf(mass.cumsum(-1), mass, u, argmax))
+    lp = _shifted(logits, tok, temp, peak) - total.log()
+    return tok, lp, mass, peak
+
+
+def _shifted(
+    logits: torch.Tensor, tok: torch.Tensor, temp: torch.Tensor, peak: torch.Tensor
+) -> torch.Tensor:
+    """logits[tok] / temp - peak [B], the same float ops as the [B, V] pass."""
+    return logits.gather(-1, tok[:, None]).squeeze(-1) / temp - peak
+
+
+def _truncated(
+    logits: torch.Tensor,  # [B, V]
+    temp: torch.Tensor,  # [B] > 0
+    top_k: torch.Tensor,  # [B]
+    top_p: torch.Tensor,  # [B]
+    u: torch.Tensor,  # [B]
+    mass: torch.Tensor,  # [B, V] exp(logits / temp - max) from `_untruncated`
+    peak: torch.Tensor,  # [B]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k then top-p on softmax(logits / temp): -> tokens [B], log-probs [B].
+
+    The kept set is a prefix of the descending order: n_k tokens at or above the k-th
+    value (ties kept), cut to n_p where the mass strictly before a token reaches top_p
+    of the top-k mass (one binary search on the sorted cumsum). The CDF is then inverted
+    in vocabulary order, as the untruncated path does."""
+    vocab = logits.shape[-1]
+    ordered, order = torch.sort(logits / temp[:, None], dim=-1, descending=True)  # [B, V]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(min=1, max=vocab)
+    kth = ordered.gather(-1, (k - 1)[:, None])  # [B, 1]
+    n_k = (ordered >= kth).sum(-1)  # [B] top-k keeps ties at the k-th
+    csum = mass.gather(-1, order).cumsum(-1)  # [B, V] mass before and at each rank
+    mass_k = csum.gather(-1, (n_k - 1)[:, None])  # [B, 1] the top-k set's mass
+    p = torch.where(top_p < 1, top_p, torch.full_like(top_p, 2.0))  # off: nothing dropped
+    # rank j is kept while csum[j - 1] < p * mass_k: 1 + #(csum < p * mass_k), capped.
+    n_p = torch.searchsorted(csum, p[:, None] * mass_k).squeeze(-1) + 1
+    n = torch.minimum(n_k, n_p)  # [B] >= 1
+    ranks = torch.arange(vocab, device=logits.device)
+    keep = torch.zeros_like(ordered, dtype=torch.bool).scatter_(-1, order, ranks < n[:, None])
+    kept = torch.where(keep, mass, 0.0)  # [B, V] vocabulary order
+    tok = _inverse_cdf(kept.cumsum(-1), kept, u, order[:, 0])
+    return tok, _shifted(logits, tok, temp, peak) - kept.sum(-1).log()
 
 
 def sample(
@@ -86,26 +151,18 @@ def sample(
 
     `truncate=False` is the fast path for batches where no row uses top-k/top-p (it
     ignores them); a batch with any such row must pass True. Either way a row without
-    truncation gets bit-identical results (its distribution is computed the same way, and
+    truncation gets bit-identical results (both paths compute it with `_untruncated`, and
     the CDF is always inverted in vocabulary order), so another request's top-k/top-p can
-    never change its samples."""
+    never change its samples.
+
+    Cost without truncation: five [B, V] passes (max, scale-and-shift, exp, sum, cumsum)
+    and O(B log V) for the search; the log-prob is logits[tok] / T - max - log(sum), never
+    a full log_softmax. Truncation adds one sort and about eight passes."""
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits / temp[:, None]  # greedy rows: temperature-1 logits
-    logp = torch.log_softmax(scaled, dim=-1)  # [B, V]
+    tok, lp, mass, peak = _untruncated(logits, temp, greedy, u)  # greedy: T = 1
     if truncate:
-        vocab = logits.shape[-1]
-        ordered, order = torch.sort(scaled, dim=-1, descending=True)  # [B, V]
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        kth = ordered.gather(-1, (k - 1)[:, None])  # [B, 1]
-        ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # ties at the k-th kept
-        probs = torch.softmax(ordered, dim=-1)
-        # top_p off: a bound above any mass, so float rounding drops nothing.
-        p = torch.where(top_p < 1, top_p, torch.full_like(top_p, 2.0))
-        drop = (probs.cumsum(-1) - probs) >= p[:, None]
-        kept = torch.log_softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
-        kept = torch.full_like(kept, float("-inf")).scatter(-1, order, kept)  # vocab order
+        t_tok, t_lp = _truncated(logits, temp, top_k, top_p, u, mass, peak)
         truncating = ((top_k > 0) | (top_p < 1)) & ~greedy  # [B]
-        logp = torch.where(truncating[:, None], kept, logp)
-    tok = torch.where(greedy, logits.argmax(-1), _inverse_cdf(logp, u))
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+        tok, lp = torch.where(truncating, t_tok, tok), torch.where(truncating, t_lp, lp)
+    return tok, lp
