@@ -65,7 +65,7 @@ def _inverse_cdf(
     cdf: torch.Tensor,  # [B, V] cumsum of the unnormalised mass, vocabulary order
     mass: torch.Tensor,  # [B, V] that mass (>= 0)
     u: torch.Tensor,  # [B] in (0, 1)
-    fallback: torch.Tensor,  # [B] int64, a token with mass (the row's argmax)
+    fallback: torch.Tensor,  # [B] int64, a token with mass
 ) -> torch.Tensor:
     """Index drawn from mass / mass.sum() with uniforms u -> [B]: the first index whose
     cdf exceeds u * total, by binary search (O(log V) per row, not a [B, V] pass)."""
@@ -76,27 +76,21 @@ def _inverse_cdf(
     idx = torch.searchsorted(cdf, x[:, None], right=True).squeeze(-1)
     idx = idx.clamp(max=cdf.shape[-1] - 1)
     # Never return a token the distribution excludes, even if a parallel cumsum rounded
-    # out of order: O(B) check, the argmax always has mass.
+    # out of order: an O(B) check.
     ok = mass.gather(-1, idx[:, None]).squeeze(-1) > 0
     return torch.where(ok, idx, fallback)
 
 
-def _untruncated(
+def _mass(
     logits: torch.Tensor,  # [B, V]
     temp: torch.Tensor,  # [B] > 0
-    greedy: torch.Tensor,  # [B] bool: take the argmax
-    u: torch.Tensor,  # [B]
-) -> tuple[torch.Tensor, ...]:
-    """softmax(logits / temp) without materialising it: -> (tokens [B], log-probs [B],
-    mass [B, V] = exp(logits / temp - max), row max of logits / temp [B])."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """softmax(logits / temp), unnormalised and never as a log_softmax: -> mass [B, V] =
+    exp(logits / temp - max), the row max of logits / temp [B], the argmax [B]."""
     top, argmax = logits.max(-1)  # [B]; max(logits / T) is exactly max(logits) / T
     peak = top / temp
     mass = torch.addcdiv(-peak[:, None], logits, temp[:, None])  # logits / T - max
-    mass.exp_()
-    total = mass.sum(-1)  # a reduction, not the cumsum's last entry: tighter log-probs
-    tok = torch.where(greedy, argmax, _inverse_cdf(mass.cumsum(-1), mass, u, argmax))
-    lp = _shifted(logits, tok, temp, peak) - total.log()
-    return tok, lp, mass, peak
+    return mass.exp_(), peak, argmax
 
 
 def _shifted(
@@ -106,37 +100,34 @@ def _shifted(
     return logits.gather(-1, tok[:, None]).squeeze(-1) / temp - peak
 
 
-def _truncated(
+def _truncate(
     logits: torch.Tensor,  # [B, V]
     temp: torch.Tensor,  # [B] > 0
     top_k: torch.Tensor,  # [B]
     top_p: torch.Tensor,  # [B]
-    u: torch.Tensor,  # [B]
-    mass: torch.Tensor,  # [B, V] exp(logits / temp - max) from `_untruncated`
-    peak: torch.Tensor,  # [B]
+    truncating: torch.Tensor,  # [B] bool, the rows to truncate
+    mass: torch.Tensor,  # [B, V] from `_mass`
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k then top-p on softmax(logits / temp): -> tokens [B], log-probs [B].
+    """Top-k then top-p: -> the kept mass [B, V] (vocabulary order; other rows' `mass`
+    bit for bit) and each row's top token [B] (always kept).
 
     The kept set is a prefix of the descending order: n_k tokens at or above the k-th
     value (ties kept), cut to n_p where the mass strictly before a token reaches top_p
-    of the top-k mass (one binary search on the sorted cumsum). The CDF is then inverted
-    in vocabulary order, as the untruncated path does."""
+    of the top-k mass (one binary search on the sorted cumsum)."""
     vocab = logits.shape[-1]
     ordered, order = torch.sort(logits / temp[:, None], dim=-1, descending=True)  # [B, V]
     k = torch.where(top_k > 0, top_k, vocab).clamp(min=1, max=vocab)
     kth = ordered.gather(-1, (k - 1)[:, None])  # [B, 1]
     n_k = (ordered >= kth).sum(-1)  # [B] top-k keeps ties at the k-th
-    csum = mass.gather(-1, order).cumsum(-1)  # [B, V] mass before and at each rank
+    csum = mass.gather(-1, order).cumsum(-1)  # [B, V] mass up to and at each rank
     mass_k = csum.gather(-1, (n_k - 1)[:, None])  # [B, 1] the top-k set's mass
     p = torch.where(top_p < 1, top_p, torch.full_like(top_p, 2.0))  # off: nothing dropped
     # rank j is kept while csum[j - 1] < p * mass_k: 1 + #(csum < p * mass_k), capped.
     n_p = torch.searchsorted(csum, p[:, None] * mass_k).squeeze(-1) + 1
-    n = torch.minimum(n_k, n_p)  # [B] >= 1
+    n = torch.where(truncating, torch.minimum(n_k, n_p), vocab)  # [B] >= 1
     ranks = torch.arange(vocab, device=logits.device)
     keep = torch.zeros_like(ordered, dtype=torch.bool).scatter_(-1, order, ranks < n[:, None])
-    kept = torch.where(keep, mass, 0.0)  # [B, V] vocabulary order
-    tok = _inverse_cdf(kept.cumsum(-1), kept, u, order[:, 0])
-    return tok, _shifted(logits, tok, temp, peak) - kept.sum(-1).log()
+    return torch.where(keep, mass, 0.0), order[:, 0]
 
 
 def sample(
@@ -151,18 +142,22 @@ def sample(
 
     `truncate=False` is the fast path for batches where no row uses top-k/top-p (it
     ignores them); a batch with any such row must pass True. Either way a row without
-    truncation gets bit-identical results (both paths compute it with `_untruncated`, and
+    truncation gets bit-identical results (its kept mass is `_mass`'s row bit for bit, and
     the CDF is always inverted in vocabulary order), so another request's top-k/top-p can
     never change its samples.
 
-    Cost without truncation: five [B, V] passes (max, scale-and-shift, exp, sum, cumsum)
+    Cost without truncation: five [B, V] passes (max, scale-and-shift, exp, cumsum, sum)
     and O(B log V) for the search; the log-prob is logits[tok] / T - max - log(sum), never
-    a full log_softmax. Truncation adds one sort and about eight passes."""
+    a full log_softmax. Truncation adds one sort and about seven passes."""
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    tok, lp, mass, peak = _untruncated(logits, temp, greedy, u)  # greedy: T = 1
+    mass, peak, argmax = _mass(logits, temp)  # greedy rows: temperature 1
+    fallback = argmax  # a token with mass, should the search ever land on none
     if truncate:
-        t_tok, t_lp = _truncated(logits, temp, top_k, top_p, u, mass, peak)
         truncating = ((top_k > 0) | (top_p < 1)) & ~greedy  # [B]
-        tok, lp = torch.where(truncating, t_tok, tok), torch.where(truncating, t_lp, lp)
-    return tok, lp
+        mass, first = _truncate(logits, temp, top_k, top_p, truncating, mass)
+        fallback = torch.where(truncating, first, argmax)
+    drawn = _inverse_cdf(mass.cumsum(-1), mass, u, fallback)
+    tok = torch.where(greedy, argmax, drawn)
+    # The normaliser by a reduction, not the cumsum's last entry: tighter log-probs.
+    return tok, _shifted(logits, tok, temp, peak) - mass.sum(-1).log()
