@@ -102,9 +102,9 @@ class NativeRolloutOptions(HFRolloutOptions):
     # default: it measured no faster on the CPU machine, and slower on an H200 at 2 ms
     # (bench/RESULTS.md); the loop-side burst below does this job.
     admission_gather_ms: float = 0.0
-    # multi-turn: the longest a turn boundary's burst of requests waits for trajectories
-    # still in an environment or tool call before going to the engine (submit.py); a slow
-    # environment delays the others' next turns by at most this
+    # multi-turn: a turn boundary's burst of requests waits for the trajectories still in
+    # an environment or tool call until none has come back for this long (at most 10x it
+    # in all; submit.py): a slow environment delays the others' next turns by about this
     burst_hold_ms: float = 20.0
     # Benchmark knob (0 = off): each row stops at a length drawn from a log-normal of this
     # median and `forced_length_sigma`, capped at max_new_tokens, as if it emitted EOS

@@ -4,7 +4,7 @@
       generate(req) -> asyncio future   --+
       generate(req) ...                   |  buffered until every session the engine has
       drop_sessions(keys)               --+  answered is back (its next request or its
-                                             drop), or `hold_s` after the first arrival
+                                             drop), or nothing arrived for `hold_s`
       flush ----------------------------------------->  submit_many(requests, drop):
                                                          one inbox entry, one wake-up,
                                                          one admission for the burst
@@ -20,11 +20,15 @@ When is a burst complete? The batcher knows which sessions are "away": the engin
 their last request and they have neither sent the next one nor been dropped; they are in
 an environment or tool call, or queued for one. A burst goes out when none is away (after
 an event-loop iteration that added nothing, so one wake-up's arrivals travel together), or
-when its first item has waited `hold_s`, so a slow environment or tool delays the others'
-next turns by at most that. The first version flushed at the first quiet iteration instead;
-on an H200 that split a boundary into 4-7 admission steps whenever the environments'
-timers expired over more than one `select` (bench/RESULTS.md, third sitting). Requests
-without a session (single-turn) are never waited for: nothing of theirs comes back.
+when nothing has arrived for `hold_s` (or `MAX_HOLDS` x `hold_s` after its first item), so
+a slow environment or tool delays the others' next turns by about `hold_s`. The bound is
+a quiet gap, not a deadline from the first arrival: a boundary's returns are spread over
+the loop's own work on 256 finished turns (~0.1 s on an H200, CPU-bound), and a 20 ms
+deadline from the first split every boundary in two (bench/RESULTS.md, session 10). The
+first version flushed at the first quiet iteration; that split a boundary into 4-7
+admission steps whenever the environments' timers expired over more than one `select`
+(bench/RESULTS.md, third sitting). Requests without a session (single-turn) are never
+waited for: nothing of theirs comes back.
 
 Invariants: every buffered request reaches the engine (or fails with the engine's
 error) in submission order; a burst's drops reach the engine with its requests, in the
@@ -43,7 +47,8 @@ from hybridflow.stages.rollout.native.frontend import AsyncEngine
 from hybridflow.stages.rollout.native.request import Request, RequestOutput
 
 MAX_TICKS = 8  # with no session away, a steady stream still goes out within this many
-HOLD_S = 0.02  # the longest a burst waits for sessions still away (module docstring)
+HOLD_S = 0.02  # the quiet gap after which a burst stops waiting for sessions still away
+MAX_HOLDS = 10  # ... and the most it waits in all, in units of hold_s
 
 
 class TickBatcher:
@@ -55,6 +60,7 @@ class TickBatcher:
         self._away: set[Hashable] = set()  # answered sessions not yet back (docstring)
         self._loop: asyncio.AbstractEventLoop | None = None  # set while a flush is armed
         self._timer: asyncio.TimerHandle | None = None  # the burst's hold bound
+        self._first = self._last = 0.0  # loop times of the burst's first and last arrival
         self._ticking = False  # a _tick is scheduled
         self._added = False  # something arrived since the last tick
         self._ticks = 0
@@ -83,9 +89,10 @@ class TickBatcher:
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         self._added = True
+        self._last = loop.time()
         if self._loop is None:
-            self._loop, self._ticks = loop, 0
-            self._timer = loop.call_later(self.hold_s, self._hold_expired)
+            self._loop, self._ticks, self._first = loop, 0, self._last
+            self._timer = loop.call_at(self._last + self.hold_s, self._hold_expired)
         if not self._ticking:  # first arrival, or one that may have brought the last back
             self._ticking = True
             loop.call_soon(self._tick)
@@ -105,6 +112,12 @@ class TickBatcher:
         # else: idle until an arrival (which ticks again) or the hold bound; no busy loop
 
     def _hold_expired(self) -> None:
+        assert self._loop is not None
+        # one timer per burst, moved on lazily: an arrival only records its time
+        due = min(self._last + self.hold_s, self._first + MAX_HOLDS * self.hold_s)
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._hold_expired)
+            return
         self._timer = None
         self.held += 1
         self._flush()
