@@ -12,22 +12,25 @@ import torch
 
 from hybridflow.stages.rollout.native.sampler import row_uniform, sample, split_seed
 
-# Tokens may differ from the reference only where float rounding puts u on a CDF
-# boundary (the two compute the CDF with different roundings): at most this fraction of
-# rows; measured 0 on every set below.
-TOKEN_MISMATCH_TOLERANCE = 1e-3
+# Tokens may differ from the reference only where float32 rounding puts u on the other
+# side of a CDF boundary (the two round the CDF differently; u itself has 2^-23 steps):
+# at most this fraction of rows, and every token must hold u within CDF_ATOL of its
+# float64 CDF interval. Measured: 0 rows on every set below; 1 of 256 on bench/sampler.py
+# (V = 151,936, flat randn * 3 logits, steps of the CDF ~1e-6), where u sat 3e-8 from a
+# boundary and the former sampler also missed the float64 token.
+TOKEN_MISMATCH_TOLERANCE = 1e-2
+CDF_ATOL = 1e-6
 LOGPROB_ATOL = 2e-6  # float32 rounding of log-probs of magnitude ~12 (V = 151,936)
 
 
-def _old_sample(
+def _old_logp(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
-    u: torch.Tensor,
     truncate: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampler before the few-pass rework (sampler.py at 393e197), verbatim."""
+) -> torch.Tensor:
+    """The former sampler's distribution (sampler.py at 393e197): [B, V] log-probs."""
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / temp[:, None]
@@ -45,13 +48,26 @@ def _old_sample(
         kept = torch.full_like(kept, float("-inf")).scatter(-1, order, kept)
         truncating = ((top_k > 0) | (top_p < 1)) & ~greedy
         logp = torch.where(truncating[:, None], kept, logp)
+    return logp
+
+
+def _old_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+    truncate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The former sampler (sampler.py at 393e197), the reference: -> tokens, log-probs."""
+    logp = _old_logp(logits, temperature, top_k, top_p, truncate)
     probs = logp.exp()
     cdf = probs.cumsum(-1)
     x = u * cdf[:, -1]
     idx = (cdf <= x[:, None]).sum(-1)
     cols = torch.arange(logp.shape[-1], device=logp.device)
     last = torch.where(probs > 0, cols, -1).amax(-1)
-    tok = torch.where(greedy, logits.argmax(-1), torch.minimum(idx, last))
+    tok = torch.where(temperature <= 0, logits.argmax(-1), torch.minimum(idx, last))
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
@@ -100,19 +116,20 @@ def _chi_square_bound(df: int) -> float:
 
 
 def _assert_matches_old(logits: torch.Tensor, params: Params, truncate: bool) -> None:
-    """Tokens as the former sampler's; log-probs as its float64 evaluation (the exact
-    value), and never further from the float32 former ones than those are from it."""
+    """Tokens as the former sampler's but at CDF boundaries, every token where u falls in
+    the float64 CDF, log-probs as the float64 evaluation (the exact value)."""
     u = _u(logits.shape[0])
     tok, lp = sample(logits, *params, u, truncate=truncate)
-    ref_tok, ref_lp = _old_sample(logits, *params, u, truncate=truncate)
-    exact_tok, exact_lp = _old_sample(logits.double(), *params, u, truncate=truncate)
+    ref_tok = _old_sample(logits, *params, u, truncate=truncate)[0]
     assert float((tok != ref_tok).float().mean()) <= TOKEN_MISMATCH_TOLERANCE
-    same = (tok == ref_tok) & (tok == exact_tok)
-    assert float(same.float().mean()) >= 1 - 2 * TOKEN_MISMATCH_TOLERANCE
-    err = (lp.double() - exact_lp)[same].abs()
+    exact = _old_logp(logits.double(), *params, truncate=truncate)  # [B, V] float64
+    p = exact.exp().gather(-1, tok[:, None]).squeeze(-1)
+    above = exact.exp().cumsum(-1).gather(-1, tok[:, None]).squeeze(-1)  # cdf at tok
+    drawn = params[0] > 0
+    assert bool((p > 0).all())
+    assert bool((u >= above - p - CDF_ATOL)[drawn].all() & (u <= above + CDF_ATOL)[drawn].all())
+    err = (lp.double() - exact.gather(-1, tok[:, None]).squeeze(-1)).abs()
     assert float(err.max()) <= LOGPROB_ATOL, float(err.max())
-    old_err = (ref_lp.double() - exact_lp)[same].abs()
-    assert bool(((lp - ref_lp)[same].abs() <= old_err + LOGPROB_ATOL).all())
 
 
 @pytest.mark.parametrize("truncate", [False, True])
@@ -126,8 +143,8 @@ def test_tokens_and_logprobs_match_the_former_sampler(truncate: bool) -> None:
 def test_full_vocabulary_logprobs_match_the_former_sampler(truncate: bool) -> None:
     """V = 151,936 (Qwen2): the normaliser is a sum over the whole row."""
     gen = torch.Generator().manual_seed(4)
-    logits = torch.randn(24, 151_936, generator=gen) * 4
-    _assert_matches_old(logits, _mixed_params(24, gen), truncate)
+    logits = torch.randn(48, 151_936, generator=gen) * 4
+    _assert_matches_old(logits, _mixed_params(48, gen), truncate)
 
 
 CASES = [  # (temperature, top_k, top_p)
