@@ -90,3 +90,38 @@ def test_sleep_wake_bookkeeping_with_a_fake_engine_seam(monkeypatch):
     # On CPU (or with sleep_mode off) both are no-ops.
     role.on_gpu = False
     assert role.handle("sleep", {}, {})[1] == {"rollout/sleep_skipped": 1.0}
+
+
+def test_holding_adapters_refuses_a_sleep_that_discards_the_base():
+    """GPU-only path, checked before any engine work: sleep_level 2 throws the base away
+    at every sleep, and adapter-only syncs never send it again."""
+    role = VLLMRollout()
+    role.opts, role.on_gpu = options(model="tiny-vllm", sleep_level=2), True
+    role.path = "stages.gen.roles.rollout.options"
+    with pytest.raises(ConfigError, match=r"options\.sleep_level.*sleep_level: 1"):
+        role.hold_adapters({"lora_rank": 4, "lora_alpha": 8.0}, 0)
+
+
+def test_the_peft_adapter_directory_is_what_peft_writes(tmp_path):
+    """vllm_lora writes the adapters as peft's save_pretrained does (vLLM loads that)."""
+    import json
+
+    from hybridflow.stages.rollout.vllm_lora import write_peft_adapter
+
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    a, b = torch.randn(4, 8), torch.randn(6, 4)
+    names = {
+        "model.layers.0.self_attn.q_proj.lora_A.default.weight": a,
+        "model.layers.0.self_attn.q_proj.lora_B.default.weight": b,
+    }
+    write_peft_adapter(tmp_path, names, {"lora_rank": 4, "lora_alpha": 8.0})
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, ["q_proj"])
+    saved = load_file(str(tmp_path / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert torch.equal(saved[f"{prefix}.lora_A.weight"], a)
+    assert torch.equal(saved[f"{prefix}.lora_B.weight"], b)
+    with pytest.raises(BatchError, match="lora_rank 8"):
+        write_peft_adapter(tmp_path / "x", names, {"lora_rank": 8})

@@ -2,7 +2,7 @@
 over real stage processes, the first sync sends the whole model and every later one only
 the adapters, and the rollout (built from another init seed, so its own base differs)
 samples what the actor computes. Plus the plan's checks: who holds adapters, and a
-rollout backend that cannot is named."""
+rollout that cannot (vllm where the installed vLLM has no LoRA support) is named."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.pipeline.plan.planner import build_plan
 from hybridflow.pipeline.plan.weight_links import adapter_syncs
 from hybridflow.pipeline.runtime.runner import run_topology
+from hybridflow.stages.rollout import vllm_compat
 
 pytest.importorskip("peft")
 
@@ -56,13 +57,35 @@ def test_adapter_syncs_name_the_rollouts_that_hold_adapters(tmp_path):
     assert adapter_syncs(load_topology(disaggregated(tmp_path, **merged))) == ()
 
 
-def test_a_rollout_that_cannot_hold_adapters_is_named_at_plan_time(tmp_path):
+def _vllm_rollout(tmp_path) -> dict:
     d = disaggregated(tmp_path, **LORA)
     d["stages"]["gen"]["roles"]["rollout"] = {
         "backend": "vllm",
         "options": {"model": "tiny-vllm", "temperature": 0.0},
     }
+    return d
+
+
+def test_a_vllm_rollout_without_lora_support_is_named_at_plan_time(tmp_path, monkeypatch):
+    why = "the installed vLLM has no LoRA support (no vllm/lora package)"
+    monkeypatch.setattr(vllm_compat, "lora_unavailable", lambda: why)
     with pytest.raises(ConfigError) as err:
-        build_plan(load_topology(d), check_data=False)
+        build_plan(load_topology(_vllm_rollout(tmp_path)), check_data=False)
     assert err.value.path == "stages.trainer.roles.actor.options.lora_sync"
-    assert "vllm" in str(err.value) and "lora_sync: merged" in str(err.value)
+    assert "backend vllm" in str(err.value) and why in str(err.value)
+    assert "lora_sync: merged" in str(err.value)
+
+
+def test_where_vllm_has_lora_a_vllm_rollout_holds_the_adapters(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_compat, "lora_unavailable", lambda: None)
+    topo = load_topology(_vllm_rollout(tmp_path))
+    build_plan(topo, check_data=False)
+    (sync,) = adapter_syncs(topo)
+    assert sync.targets == ("rollout",) and sync.lora["lora_rank"] == 4
+
+
+def test_without_vllm_installed_the_plan_says_so(tmp_path):
+    if vllm_compat.vllm_available():
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(ConfigError, match="vLLM is not installed"):
+        build_plan(load_topology(_vllm_rollout(tmp_path)), check_data=False)

@@ -11,7 +11,8 @@ Adapter syncs (`adapter_syncs`): a LoRA actor with `lora_sync: adapters` sends i
 the whole model once, then only its adapters (stages/actor_sync.py). Every rollout it feeds
 (its colocated `rollout_role`, the targets of its link) must then hold the same adapters
 unmerged: the stage host calls their `hold_adapters` after setup, and a backend that cannot
-(`takes_adapters` False: vLLM) is a ConfigError naming the actor's `lora_sync`. Refused,
+(`takes_adapters` False, or `adapters_unavailable()` naming why: the vllm backend where the
+installed vLLM has no LoRA support) is a ConfigError naming the actor's `lora_sync`. Refused,
 not merged instead: the option asks for adapter-sized syncs, and silently sending full
 weights every step would hide that it does not get them.
 """
@@ -169,11 +170,12 @@ def adapter_syncs(topo: Topology) -> tuple[AdapterSync, ...]:
         targets += tuple(t for t in streamed.get(role, ()) if t not in targets)
         for t in targets:
             rc = topo.stages[where[t]].roles[t]
-            if not getattr(backend_class(rc.kind_of(t), rc.backend), "takes_adapters", False):
+            why = _cannot_hold_adapters(backend_class(rc.kind_of(t), rc.backend))
+            if why:
                 raise ConfigError(
                     f"stages.{stage}.roles.{role}.options.lora_sync",
                     f"adapters needs every rollout it feeds to hold the adapters unmerged, "
-                    f"and {t} (backend {rc.backend}, stage {where[t]}) cannot; use "
+                    f"and {t} (backend {rc.backend}, stage {where[t]}) cannot: {why}; use "
                     "lora_sync: merged (full merged weights at every sync) or an hf / native "
                     "rollout",
                 )
@@ -181,3 +183,13 @@ def adapter_syncs(topo: Topology) -> tuple[AdapterSync, ...]:
         lora = {k: options.get(k, getattr(defaults, k)) for k in SHAPE_KEYS}
         out.append(AdapterSync(role, targets, lora))
     return tuple(out)
+
+
+def _cannot_hold_adapters(cls: type) -> str | None:
+    """Why a rollout backend cannot hold adapters (None: it can): it lacks the capability
+    (`takes_adapters`), or has it only where its engine supports LoRA and says why not
+    (`adapters_unavailable()`: the vllm backend without vLLM's LoRA support)."""
+    if not getattr(cls, "takes_adapters", False):
+        return "the backend has no adapter support"
+    unavailable = getattr(cls, "adapters_unavailable", None)
+    return unavailable() if callable(unavailable) else None

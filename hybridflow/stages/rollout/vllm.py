@@ -19,6 +19,13 @@ Role ops (see `stages/base.py` for the seam):
 
 In-process handoff from a colocated actor: `update_weights(iterable of (name, tensor))`.
 
+A LoRA actor with `lora_sync: adapters`: the stage host calls `hold_adapters(lora, seed)`
+after setup; the engine is then built again with vLLM's LoRA support on (enable_lora,
+max_lora_rank from the actor's lora_rank, max_loras 1: the second start is the price of
+learning about the actor only after setup), and the weights go through vllm_lora.py (the
+base once, then adapters as LoRA requests). Where the installed vLLM has no LoRA support
+the plan refuses `lora_sync: adapters` (`adapters_unavailable`, weight_links.py).
+
 Options: the hf backend's (`HFRolloutOptions`: model directory or preset, tokenizer, dtype,
 sampling, EOS/pad ids, seed), so a config switches backends by changing `backend:` only,
 plus engine settings (max_model_len, kv_cache_bytes, enforce_eager; GPU only:
@@ -49,8 +56,9 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -77,6 +85,7 @@ from hybridflow.stages.rollout.state import (
     check_prompts,
     eos_ids,
 )
+from hybridflow.stages.rollout.vllm_lora import AdapterSink
 from hybridflow.stages.rollout.weights import WeightSink
 
 
@@ -121,6 +130,7 @@ class VLLMRollout(RolloutState, RoleBase):
 
     options_cls = VLLMRolloutOptions  # checked at plan time too (pipeline/plan/planner.py)
     backend_name = "vllm"
+    takes_adapters = True  # through vLLM's LoRA support, where installed: adapters_unavailable
 
     def __init__(self) -> None:
         self.opts: VLLMRolloutOptions | None = None
@@ -133,7 +143,10 @@ class VLLMRollout(RolloutState, RoleBase):
         self.seed = 0
         self.calls = 0  # generate calls so far: part of the default per-request seed
         self.policy_version: int | None = None
-        self.weights: _VLLMWeights | None = None
+        self.weights: _VLLMWeights | AdapterSink | None = None
+        self.engine_kwargs: dict[str, Any] = {}
+        self.log = logging.getLogger("hybridflow.stages.vllm")  # the stage's, from setup
+        self.path = ""  # the options' dotted path (errors), from setup
         self.asleep: set[str] = set()  # what sleep() released and wake_up() has not restored
 
     # ------------------------------------------------------------------ lifecycle
@@ -150,12 +163,46 @@ class VLLMRollout(RolloutState, RoleBase):
         if opts.stop_on_eos and not self.eos_ids:
             raise ConfigError(f"{path}.eos_token_id", "the model names no EOS token")
         self.pad_id = opts.pad_token_id if opts.pad_token_id is not None else tokenizer.pad_token_id
+        self.engine_kwargs = self._engine_kwargs(opts, model_dir)
+        self.log, self.path = ctx.log, path
+        self._start_engine()
+        self.weights = _VLLMWeights(self)
+
+    def _start_engine(self) -> None:
+        assert self.opts is not None
         t0 = time.perf_counter()
-        self.llm = vllm_compat.build_engine(**self._engine_kwargs(opts, model_dir))
-        ctx.log.info("vllm engine for %s ready in %.1f s", opts.model, time.perf_counter() - t0)
+        self.llm = vllm_compat.build_engine(**self.engine_kwargs)
+        self.log.info(
+            "vllm engine for %s ready in %.1f s", self.opts.model, time.perf_counter() - t0
+        )
         self.vocab_size = vllm_compat.engine_vocab_size(self.llm)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self.weights = _VLLMWeights(self)
+
+    @classmethod
+    def adapters_unavailable(cls) -> str | None:
+        """Why `hold_adapters` cannot work in this installation (None: it can)."""
+        return vllm_compat.lora_unavailable()
+
+    def hold_adapters(self, lora: Mapping[str, Any], seed: int) -> None:
+        """Hold a LoRA actor's adapters unmerged through vLLM's LoRA support: restart the
+        engine with LoRA on (module docstring); updates then go through AdapterSink.
+        `seed` is unused: hf/native seed the adapters they start with (B = 0) from it; this
+        engine runs no adapter at all until the first full update brings the actor's."""
+        assert self.opts is not None
+        if self.on_gpu and self.opts.sleep_mode and self.opts.sleep_level == 2:
+            raise ConfigError(
+                f"{self.path}.sleep_level",
+                "2 discards the base weights at every sleep, and with the actor's "
+                "lora_sync: adapters only the first sync resends them; use sleep_level: 1",
+            )
+        extra = vllm_compat.lora_engine_kwargs(int(lora["lora_rank"]))
+        if self.weights is not None and self.weights.updating:
+            raise BatchError("hold_adapters during a weight update")
+        vllm_compat.shutdown(self.llm)
+        self.llm = None
+        self.engine_kwargs = {**self.engine_kwargs, **extra}
+        self._start_engine()
+        self.weights = AdapterSink(self, lora)
 
     def _engine_kwargs(self, opts: VLLMRolloutOptions, model_dir: str) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
@@ -187,6 +234,8 @@ class VLLMRollout(RolloutState, RoleBase):
     def close(self) -> None:
         if self.llm is not None:
             vllm_compat.shutdown(self.llm)
+        if isinstance(self.weights, AdapterSink):
+            self.weights.close()  # its adapter directories
         self.llm = None
         self.weights = None
 
@@ -224,7 +273,8 @@ class VLLMRollout(RolloutState, RoleBase):
             self._sampling_params(opts, (seed + i) % (1 << 63)) for i in range(len(prompts))
         ]
         t0 = time.perf_counter()
-        outs = vllm_compat.generate(self.llm, prompts, sampling)
+        lora = self.weights.request if isinstance(self.weights, AdapterSink) else None
+        outs = vllm_compat.generate(self.llm, prompts, sampling, lora)
         gen_s = time.perf_counter() - t0
         result = _pack(outs, opts.n, self.pad_id)
         result["prompt_ids"] = prompt_ids.repeat_interleave(opts.n, dim=0)

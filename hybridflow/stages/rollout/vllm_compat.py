@@ -1,6 +1,6 @@
 """Every use of vLLM internals, in one place, so a vLLM upgrade touches one file.
 
-The vLLM rollout backend (`rollout_vllm.py`) talks to vLLM only through this module:
+The vLLM rollout backend (`vllm.py`, `vllm_lora.py`) talks to vLLM only through this module:
 
   - `import_vllm()`       imports vLLM in-process (engine core in this process, not a
                           child), with the noise of its import kept out of `-W error` runs;
@@ -8,7 +8,12 @@ The vLLM rollout backend (`rollout_vllm.py`) talks to vLLM only through this mod
   - `WeightUpdate`        streams named tensors (checkpoint names, e.g. HF
                           `model.layers.0.self_attn.q_proj.weight`) into the live engine,
                           bucket by bucket, through vLLM's layer-wise reload;
-  - `sleep()`/`wake_up()` vLLM's sleep mode (GPU only).
+  - `sleep()`/`wake_up()` vLLM's sleep mode (GPU only);
+  - LoRA: `lora_unavailable()` (cheap, plan time), `lora_engine_kwargs()` (enable_lora,
+                          a max_lora_rank vLLM accepts), `lora_request()`, `add_lora()`,
+                          `remove_lora()`; `generate(..., lora)` runs with an adapter.
+                          vLLM's LoRA layers wrap the base ones (`qkv_proj.base_layer`);
+                          the layer-wise reload still takes checkpoint names.
 
 Weight reload, why this route: vLLM fuses and may repack weights after loading (q/k/v
 into `qkv_proj`; on CPU the linear weights are repacked for the CPU GEMM), so the
@@ -173,8 +178,11 @@ def _drop_chat_warmup(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Chat template warmup failed")
 
 
-def generate(llm: Any, prompts: list[list[int]], sampling: list[Any]) -> list[Any]:
+def generate(
+    llm: Any, prompts: list[list[int]], sampling: list[Any], lora: Any = None
+) -> list[Any]:
     """`llm.generate` on token-id prompts, leaving the process's torch RNG as it was.
+    `lora`: the LoRARequest every prompt runs with (None: the base weights alone).
 
     vLLM's CPU sampler draws one seed per row from the global torch RNG at every step,
     even for rows that have their own seeded generator (seen in 0.32's `forward_cpu`); a
@@ -182,7 +190,9 @@ def generate(llm: Any, prompts: list[list[int]], sampling: list[Any]) -> list[An
     """
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        return llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+        return llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False, lora_request=lora
+        )
 
 
 def shutdown(llm: Any) -> None:
@@ -207,7 +217,9 @@ def _worker_start(worker: Any) -> list[str]:
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
     model = worker.model_runner.get_model()
-    names = [name for name, _ in model.named_parameters()]
+    # With LoRA enabled vLLM wraps each adapted layer (`qkv_proj.base_layer.weight`); its
+    # loader takes and reports the checkpoint names, so completeness compares those.
+    names = [name.replace(".base_layer.", ".") for name, _ in model.named_parameters()]
     initialize_layerwise_reload(model)
     return names
 
@@ -351,3 +363,76 @@ def sleep(llm: Any, level: int) -> None:
 def wake_up(llm: Any, tags: list[str] | None) -> None:
     """Reallocate what `sleep` freed: tags from ("weights", "kv_cache"); None = all."""
     llm.wake_up(tags=tags)
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def lora_unavailable() -> str | None:
+    """Why this installation cannot hold LoRA adapters (None: it can). Cheap: looks for
+    vLLM's LoRA package without importing vLLM (plan time); `lora_engine_kwargs` makes
+    the real check when the engine is built."""
+    import importlib.util
+    from pathlib import Path
+
+    if not vllm_available():
+        return f"vLLM is not installed here (the vllm backend needs vLLM {SUPPORTED_TEXT})"
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    lora = Path(spec.origin).parent / "lora"
+    if not (lora / "request.py").is_file() or not (lora / "worker_manager.py").is_file():
+        return f"the installed vLLM ({lora.parent}) has no LoRA support (no vllm/lora package)"
+    return None
+
+
+def lora_engine_kwargs(rank: int) -> dict[str, Any]:
+    """The engine arguments that let it run one LoRA adapter of rank <= `rank` at a time.
+
+    vLLM accepts only some `max_lora_rank` values (0.32: 1, 8, 16, ..., 512): the smallest
+    one >= `rank` (an adapter may have a lower rank than the bound). Raises
+    VLLMUnavailableError naming why when this vLLM or platform cannot run LoRA."""
+    import typing
+
+    import_vllm()
+    try:
+        from vllm.config.lora import MaxLoRARanks
+        from vllm.lora.request import LoRARequest  # noqa: F401  (the request type we use)
+        from vllm.platforms import current_platform
+
+        current_platform.get_punica_wrapper()  # NotImplementedError: no LoRA kernels here
+    except (ImportError, NotImplementedError) as exc:
+        raise VLLMUnavailableError(f"this vLLM cannot run LoRA adapters: {exc!r}") from exc
+    allowed = sorted(int(r) for r in typing.get_args(MaxLoRARanks))
+    bound = next((r for r in allowed if r >= rank), None)
+    if bound is None:
+        raise VLLMUnavailableError(
+            f"LoRA rank {rank} is above the largest max_lora_rank vLLM allows ({allowed[-1]})"
+        )
+    return {"enable_lora": True, "max_lora_rank": bound, "max_loras": 1}
+
+
+def lora_request(name: str, lora_id: int, path: str) -> Any:
+    """A LoRARequest for the PEFT adapter directory `path` (ids must be unique, > 0)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+
+
+def add_lora(llm: Any, request: Any) -> None:
+    """Load the adapter into the engine now (not at the first request that names it), so
+    a bad adapter fails the weight update and its directory may go once this returns."""
+    try:
+        added = llm.llm_engine.add_lora(request)
+    except Exception as exc:  # vLLM raises ValueError/KeyError/RuntimeError from its loader
+        raise WeightSyncError(
+            f"vLLM refused the LoRA adapter {request.lora_path}: {exc!r} (its target modules "
+            "must be linear layers vLLM's LoRA supports for this model)"
+        ) from exc
+    if not added:
+        raise WeightSyncError(f"vLLM did not load the LoRA adapter {request.lora_path}")
+
+
+def remove_lora(llm: Any, lora_id: int) -> None:
+    """Drop a loaded adapter (a no-op for an id the engine no longer holds)."""
+    if lora_id in llm.llm_engine.list_loras():
+        llm.llm_engine.remove_lora(lora_id)
