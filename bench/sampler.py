@@ -4,11 +4,13 @@ the former one, kept below as `former_sample_baseline`.
     python bench/sampler.py                          # B=256, V=151,936, cuda if present
     python bench/sampler.py --device cpu --repeats 3
     python bench/sampler.py --graph                  # CUDA: also time CUDA-graph replays
+    python bench/sampler.py --compile                # also torch.compile(sample), fused
 
 Logits [B, V] float32 (randn * 3), per-row uniforms from `row_uniform`. Two batches:
   plain     truncate=False, every row at temperature 1 (an RL rollout's setting)
   truncate  truncate=True, temperature 0.7, top_p 0.95 on every row, top_k 50 on half
-Per variant (former / new): ms per call (median of --repeats after --warmup calls, with
+Per variant (former / new; on plain also new_logcumsumexp, a candidate kept here, see
+its docstring): ms per call (median of --repeats after --warmup calls, with
 torch.cuda.synchronize around each on CUDA), and ops per call from torch.profiler: on
 CUDA the number of kernel launches (memsets and copies included), on CPU the number of
 aten ops called from Python (top level) and in all, and on both the number of those
@@ -71,6 +73,32 @@ def former_sample_baseline(
     last = torch.where(probs > 0, cols, -1).amax(-1)
     tok = torch.where(greedy, logits.argmax(-1), torch.minimum(idx, last))
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def logcumsumexp_candidate(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+    truncate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A candidate for untruncated batches, measured, not shipped: the CDF in log space
+    by one logcumsumexp (scale, logcumsumexp, argmax: three passes, but a log-add-exp per
+    element; on CPU it is compute-bound, ~6x a cumsum). Its last entry is the row's
+    log-normaliser, so log p(tok) = logits[tok] / T - lcse[-1]."""
+    assert not truncate, "untruncated batches only"
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / temp[:, None]
+    lcse = torch.logcumsumexp(scaled, -1)  # [B, V]
+    lse = lcse[:, -1]
+    x = torch.minimum(u.log() + lse, torch.nextafter(lse, torch.full_like(lse, -math.inf)))
+    idx = torch.searchsorted(lcse, x[:, None], right=True).squeeze(-1).clamp(max=lcse.shape[-1] - 1)
+    argmax = logits.argmax(-1)
+    picked = scaled.gather(-1, idx[:, None]).squeeze(-1)
+    tok = torch.where(greedy | (picked == -math.inf), argmax, idx)
+    return tok, scaled.gather(-1, tok[:, None]).squeeze(-1) - lse
 
 
 def inputs(b: int, v: int, truncate: bool, device: torch.device) -> tuple[Any, ...]:
@@ -165,7 +193,10 @@ def agreement(args: tuple[Any, ...]) -> dict[str, float]:
     tok, lp = sample(*args)
     ref_tok, ref_lp = former_sample_baseline(*args)
     out["same_token_as_former"] = float((tok == ref_tok).float().mean())
-    for name, (t, lps) in {"new": (tok, lp), "former": (ref_tok, ref_lp)}.items():
+    runs = {"new": (tok, lp), "former": (ref_tok, ref_lp)}
+    if not args[-1]:
+        runs["new_logcumsumexp"] = logcumsumexp_candidate(*args)
+    for name, (t, lps) in runs.items():
         same = t == exact_tok
         out[f"{name}_same_token_as_float64"] = float(same.float().mean())
         out[f"{name}_max_logprob_err"] = float((lps.double() - exact_lp)[same].abs().max())
@@ -177,10 +208,13 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"device": str(device), "batch": opts.batch, "vocab": opts.vocab}
     out["torch"] = torch.__version__
     variants: dict[str, Sampler] = {"former": former_sample_baseline, "new": sample}
+    if opts.compile:  # a measurement only: the package ships the eager sampler
+        variants["new_compiled"] = torch.compile(sample, dynamic=False)
     for case, truncate in (("plain", False), ("truncate", True)):
         args = inputs(opts.batch, opts.vocab, truncate, device)
         res: dict[str, Any] = {}
-        for name, fn in variants.items():
+        extra = {"new_logcumsumexp": logcumsumexp_candidate} if not truncate else {}
+        for name, fn in {**variants, **extra}.items():
             call = lambda fn=fn, args=args: fn(*args)  # noqa: E731
             row: dict[str, Any] = {"ms": time_ms(call, device, opts.warmup, opts.repeats)}
             row.update(count_ops(call, device, opts.batch * opts.vocab))
@@ -201,6 +235,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--graph", action="store_true", help="CUDA: also time graph replays")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile(sample)")
     opts = ap.parse_args()
     with torch.no_grad():
         print(json.dumps(run(opts), indent=2))
