@@ -128,3 +128,29 @@ def test_a_merged_update_drops_the_adapter_until_a_full_one(lora_engine, rollout
     adapters.pop(next(iter(adapters)))
     with pytest.raises(BatchError, match="1 missing"):
         role.update_weights(adapters.items(), version=5)
+
+
+def test_a_grpo_run_streams_adapters_to_a_vllm_stage(tmp_path):
+    """Through the stage host (it calls hold_adapters after setup): the rollout in its own
+    stage gets the whole model once, then adapters only, and samples what the actor
+    computes (its recomputed old_logprobs match the rollout's)."""
+    from test_rollout_vllm_actor import _grpo
+
+    from hybridflow.config.schema import load_topology
+    from hybridflow.pipeline.runtime.runner import run_topology
+
+    d = _grpo(tmp_path, "vllm", True)
+    d["run"]["steps"] = 3
+    d["stages"]["engine"]["roles"]["actor"]["options"].update(**LORA, lora_sync="adapters")
+    seq = ["prompt_ids", "prompt_mask", "response_ids", "response_mask"]
+    recompute = {"role": "actor", "op": "get_logprob", "inputs": seq, "outputs": ["old_logprobs"]}
+    d["dataflow"].insert(1, recompute)  # after rollout.generate
+    res = run_topology(
+        load_topology(d), collect=("rollout_logprobs", "old_logprobs"), run_id="vllm-lora"
+    )
+    m = res.metrics
+    assert [x["reshard/adapters_only"] for x in m] == [0.0, 1.0, 1.0]
+    assert m[1]["weight_sync/bytes"] * 5 < m[0]["weight_sync/bytes"]
+    for s in (1, 2):
+        got = {k: v[0] for k, v in res.collected[s].items()}
+        torch.testing.assert_close(got["rollout_logprobs"], got["old_logprobs"], atol=2e-4, rtol=0)
