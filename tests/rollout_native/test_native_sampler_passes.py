@@ -5,7 +5,11 @@ greedy rows, -inf entries, and rows of a truncating batch untouched by it."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,3 +265,23 @@ def test_sampler_captures_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+def test_the_bench_runs_and_counts_fewer_passes() -> None:
+    """bench/sampler.py at a small size: both batches measured, the new sampler with at
+    most half the former's passes over [B, V] and the same tokens."""
+    path = Path(__file__).parents[2] / "bench" / "sampler.py"
+    spec = importlib.util.spec_from_file_location("sampler_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    opts = argparse.Namespace(
+        batch=8, vocab=3000, device="cpu", warmup=0, repeats=1, graph=False, compile=False
+    )
+    out = bench.run(opts)
+    json.dumps(out)
+    for case in ("plain", "truncate"):
+        former, new = out[case]["former"], out[case]["new"]
+        assert 0 < new["full_vocab_ops"] <= former["full_vocab_ops"] * 0.7, (case, out[case])
+        assert out[case]["agree"]["same_token_as_former"] == 1.0
+    assert out["plain"]["new"]["full_vocab_ops"] == 5

@@ -14,6 +14,13 @@ rows share the batch or on a generator's position: continuous batching cannot ch
 them. One uniform per row (not Gumbel noise per vocabulary entry) keeps the cost O(B) in
 hashing for a 150k vocabulary.
 
+The full-vocabulary work is a few row-wise passes: the unnormalised mass
+exp(logits / T - max), one cumsum of it searched by bisection, one row sum for the
+log-prob; probabilities and log_softmax are never materialised. A row's token is bitwise
+independent of its batch neighbours; its log-prob's normaliser is a row sum whose CUDA
+reduction order can change with the batch size (rounding-level, as the logits of a
+batch-size-dependent GEMM already are).
+
 The hash runs on int64 tensors holding uint32 values; every product is split into 16-bit
 halves so that no intermediate exceeds 2^63 (signed overflow is never relied on).
 """
