@@ -24,6 +24,7 @@ RL, writes <out>/plot.png (validation accuracy and training reward per step) and
 
     python examples/math_rl.py --quick          # CPU, 2 cores (see the timings below)
     python examples/math_rl.py --device cuda:0  # one GPU: the Qwen2-0.5B shape, 512 tokens
+    python examples/math_rl.py --device cuda:0 --lora-rank 64 --rl-lr 1e-4  # GRPO on LoRA
 
 `--quick` is sized so that a 1.4M-parameter model (`small` narrowed to hidden 192, 3
 layers) learns the easy problems (2 steps, numbers up to 9, results up to 20) by SFT to
@@ -64,7 +65,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,9 @@ class Settings:
     val_interval: int
     sft_warmup_steps: int  # linear lr warm-up of SFT (optimizer steps); RL has none
     rollout: str  # the sampler's engine: auto (native on a GPU, else hf), hf, native
+    # > 0: GRPO trains rank-r LoRA adapters (all-linear, alpha 2r) on the SFT model, which
+    # SFT trains in full first (LoRA on a model trained from scratch would learn nothing)
+    lora_rank: int = 0
 
 
 # `small` narrowed to hidden 192 and 3 layers (~1.5M parameters): on the quick problems
@@ -227,9 +231,12 @@ def build(
     *,
     name: str = "math_rl",
     environment: dict[str, Any] | None = None,
+    lora: bool = False,
 ) -> Any:
     """The GRPO job; `environment`: add_environment's arguments (multi-turn rollouts
-    whose environment gives the reward), else the verifier scores single responses."""
+    whose environment gives the reward), else the verifier scores single responses.
+    `lora`: the actor trains `s.lora_rank` adapters on `s.model` (the SFT model's
+    directory), logging to <out>/run_lora."""
     df = DataflowBuilder(name, seed=args.seed)
     gpu = args.device.startswith("cuda")
     engine = s.rollout if s.rollout != "auto" else ("native" if gpu else "hf")
@@ -238,6 +245,9 @@ def build(
     precision: dict[str, Any] = {"dtype": "float32", "autocast_bf16": True} if gpu else {}
     if gpu:  # backward over 64 rows at a time: 256 rows x 560 tokens x 24 layers is ~120 GB
         precision["forward_batch_size"] = 64
+    if lora:
+        r = s.lora_rank
+        precision.update(lora_rank=r, lora_alpha=2 * r, lora_target_modules="all-linear")
     df.add_actor(
         model_name=s.model,
         device_mapping=args.device,
@@ -263,7 +273,8 @@ def build(
     )
     batch = s.prompts_per_step * s.samples_per_prompt
     df.configure(step_batch=batch, micro_batch=batch)
-    return df.build(log_level="WARNING", metrics_backend="jsonl", log_dir=str(out / "run"))
+    run_dir = out / ("run_lora" if lora else "run")
+    return df.build(log_level="WARNING", metrics_backend="jsonl", log_dir=str(run_dir))
 
 
 def accuracy(row: dict[str, float], key: str = ACC_KEY) -> float:
@@ -317,9 +328,15 @@ def validation_options(test_path: Path, s: Settings) -> dict[str, Any]:
 
 
 def sft_then_rl(
-    engine: Any, s: Settings, pairs: list[dict[str, Any]], train_path: Path, test_path: Path
+    engine: Any,
+    s: Settings,
+    pairs: list[dict[str, Any]],
+    train_path: Path,
+    test_path: Path,
+    rebuild: Callable[[Path], Any] | None = None,
 ) -> tuple[list[float], Any, dict[str, float]]:
-    """SFT on `pairs`, then GRPO with validation; closes the engine.
+    """SFT on `pairs`, then GRPO with validation; closes the engine(s). With `rebuild`,
+    GRPO runs on `rebuild(the SFT policy's directory)`, another job.
     -> (SFT losses, the RL TrainResult, seconds per phase)."""
     times: dict[str, float] = {}
     try:
@@ -334,6 +351,9 @@ def sft_then_rl(
         times["sft_s"] = time.perf_counter() - t
         losses = [r["actor/sft_loss"] for r in sft.metrics]
         print(f"SFT: {s.sft_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        if rebuild is not None:  # the SFT checkpoint's policy is a save_pretrained directory
+            engine.close()
+            engine = rebuild(Path(sft.checkpoint) / "policy")
         t = time.perf_counter()
         rl = engine.train(
             str(train_path), steps=s.rl_steps, validation=validation_options(test_path, s)
@@ -397,8 +417,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         {"prompt": r["prompt"], "response": r["extra_info"]["answer"]}
         for r in load_records(str(train_path))
     ]
+
+    def lora_job(policy: Path) -> Any:
+        on_sft = dataclasses.replace(s, model=str(policy), model_overrides={})
+        return build(args, on_sft, tokenizer, out, lora=True)
+
     losses, rl, phase_times = sft_then_rl(
-        build(args, s, tokenizer, out), s, pairs, train_path, test_path
+        build(args, s, tokenizer, out),
+        s,
+        pairs,
+        train_path,
+        test_path,
+        rebuild=lora_job if s.lora_rank else None,
     )
     times.update(phase_times, total_s=time.perf_counter() - t0)
 

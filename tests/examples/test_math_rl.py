@@ -46,6 +46,20 @@ def test_math_rl_runs_every_phase_and_reports(tmp_path, capsys):
     assert "Let's think step by step" in first["prompt"] and "ground_truth" in first
 
 
+@pytest.mark.timeout(600)
+def test_math_rl_lora_trains_adapters_on_the_sft_model(tmp_path):
+    """--lora-rank: SFT in full, then GRPO on adapters over the SFT policy (another job)."""
+    argv = ["--quick", "--out", str(tmp_path), "--n-train", "200", "--n-test", "16"]
+    argv += ["--sft-steps", "3", "--rl-steps", "1", "--val-interval", "1", "--lora-rank", "4"]
+    summary = load().main(argv)
+    assert [r["step"] for r in summary["validation"]] == [0, 1]
+    (ckpt,) = (tmp_path / "run_lora" / "checkpoints").glob("step-*")
+    adapter = json.loads((ckpt / "policy" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 8
+    assert not (ckpt / "policy" / "config.json").exists()  # adapters only, not the model
+    assert json.loads((tmp_path / "summary.json").read_text())["settings"]["lora_rank"] == 4
+
+
 @pytest.mark.example
 @pytest.mark.timeout(3600)
 def test_math_rl_quick_raises_held_out_accuracy_by_10_points(tmp_path):
