@@ -24,18 +24,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hybridflow.stages.rollout.native.sampler import row_uniform, sample, split_seed
 
+def _load_sampler() -> Any:
+    """sampler.py by path: it needs torch alone, and importing it through the package
+    would pull in the transport's pyzmq and msgspec (absent on the GPU host)."""
+    path = Path(__file__).parents[1] / "hybridflow/stages/rollout/native/sampler.py"
+    spec = importlib.util.spec_from_file_location("native_sampler", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_sampler = _load_sampler()
+row_uniform, sample, split_seed = _sampler.row_uniform, _sampler.sample, _sampler.split_seed
 Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
