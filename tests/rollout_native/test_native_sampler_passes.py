@@ -256,6 +256,7 @@ def test_sampler_captures_in_a_cuda_graph() -> None:
     for truncate in (False, True):
         eager = sample(logits, temp, top_k, top_p, u, truncate)
         stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up on a side stream, as graphs.py does
             sample(logits, temp, top_k, top_p, u, truncate)
         torch.cuda.current_stream().wait_stream(stream)
