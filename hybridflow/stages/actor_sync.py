@@ -10,9 +10,10 @@ Three forms of one update (models/lora.py names the parameters):
             under its own names (base_layer, lora_A/B, the rest), the first sync on a
             channel; it makes the rollout's base the actor's, bit for bit;
   adapters  then only the lora_A / lora_B weights (the base is frozen): a few MB.
-A rollout taking `full`/`adapters` holds the adapters unmerged (stages/rollout/adapters.py);
-the plan wraps it (pipeline/plan/weight_links.py `adapter_syncs`) and refuses a backend
-that cannot (vLLM).
+A rollout taking `full`/`adapters` holds the adapters unmerged (stages/rollout/adapters.py
+for hf and native, stages/rollout/vllm_lora.py for vLLM's LoRA support); the plan wraps it
+(pipeline/plan/weight_links.py `adapter_syncs`) and refuses a backend that cannot (a vLLM
+installation without LoRA support, with the reason).
 
 Channels: `colocated` (reshard into the rollout in this process) and `stream` (the weight
 link to other stages). Each sends `full` once, then `adapters`; a channel counts as served

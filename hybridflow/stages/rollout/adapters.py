@@ -1,4 +1,5 @@
-"""Unmerged LoRA adapters on a rollout engine (hf, native): the engine's model holds the
+"""Unmerged LoRA adapters on a rollout engine (hf, native; vLLM's own LoRA support is
+vllm_lora.py): the engine's model holds the
 actor's adapters beside its base weights and computes base + scaling * B @ A at every
 forward, so a weight sync after the first needs to move only the adapters (megabytes).
 
