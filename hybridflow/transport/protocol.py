@@ -407,31 +407,40 @@ def decode(frames: list[Any]) -> tuple[Msg, list[TensorDesc], list[Any]]:
     `frames` items may be bytes, memoryviews or zmq.Frame objects (anything with the
     buffer protocol). Raises `ProtocolError` for anything malformed; never anything else.
     """
-    if len(frames) < 2:
-        raise ProtocolError(f"message has {len(frames)} frame(s); expected [kind, header, ...]")
-    if len(frames) > MAX_FRAMES + 2:
-        raise ProtocolError(f"message has {len(frames)} frames > {MAX_FRAMES + 2}")
-    kind_frame = _as_view(frames[0])
+    n = len(frames)
+    if n < 2:
+        raise ProtocolError(f"message has {n} frame(s); expected [kind, header, ...]")
+    if n > MAX_FRAMES + 2:
+        raise ProtocolError(f"message has {n} frames > {MAX_FRAMES + 2}")
+    # Small frames arrive as bytes (channel/recv.py): the checks below are inlined for
+    # them, a microsecond on every message received; anything else is viewed first.
+    kind_frame = frames[0]
+    if type(kind_frame) is not bytes:
+        kind_frame = _as_view(kind_frame)
     if len(kind_frame) != 1:
         raise ProtocolError(f"kind frame must be 1 byte, got {len(kind_frame)}")
     kind = _KIND_OF.get(kind_frame[0])
     if kind is None:
         raise ProtocolError(f"unknown message kind {kind_frame[0]}")
-    header = _as_view(frames[1])
+    header = frames[1]
+    if type(header) is not bytes:
+        header = _as_view(header)
     if len(header) > MAX_HEADER_BYTES:
         raise ProtocolError(f"{kind.name} header is {len(header)} bytes > {MAX_HEADER_BYTES}")
     # Check the version before typed decoding so an old/new peer gets a precise message.
-    version = _peek_version(header)
-    if version != SCHEMA_VERSION:
-        raise ProtocolError(
-            f"{kind.name}: schema version {version}, this process speaks {SCHEMA_VERSION}; "
-            "run the same hybridflow version on every process"
-        )
+    # Envelope is array_like: [v, body, tensors], i.e. 0x93 then a positive fixint v.
+    if len(header) < 2 or header[0] != 0x93 or header[1] != SCHEMA_VERSION:
+        version = _peek_version(header)
+        if version != SCHEMA_VERSION:
+            raise ProtocolError(
+                f"{kind.name}: schema version {version}, this process speaks "
+                f"{SCHEMA_VERSION}; run the same hybridflow version on every process"
+            )
     try:
         env = _decoders[kind].decode(header)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"{kind.name}: invalid header: {exc}") from exc
-    buffers = list(frames[2:])
+    buffers = list(frames[2:]) if n > 2 else []
     if env.tensors or buffers:  # with neither there is nothing to cross-check
         _check_tensor_frames(kind, env.tensors, buffers)
     return env.body, env.tensors, buffers
