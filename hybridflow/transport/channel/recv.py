@@ -1,8 +1,10 @@
 """A channel's receive path: the next valid message, its tensors rebuilt, acks consumed.
 
-The fast path: ZMQ_EVENTS says a message is queued, one non-blocking multipart recv
-(`_try_recv`: small frames as bytes, tensor frames as zmq Frames, copied once by the
-codec), decode (`_decode`), return. Only an empty queue waits (wait.py).
+The fast path: ZMQ_EVENTS says a message is queued, or the socket's fd just woke us
+(then no EVENTS read: the recv itself processes what woke us), one non-blocking
+multipart recv (`_try_recv`: small frames as bytes, tensor frames as zmq Frames, copied
+once by the codec), decode (`_decode`), return. Only an empty queue waits (wait.py),
+on a future `recv` awaits itself.
 
 Invariants:
   - a malformed message never kills a receiver: `recv` logs it, counts it in
@@ -66,44 +68,37 @@ class RecvPath(SendPath):
         """Next valid message. Malformed ones are logged and skipped, never raised."""
         loop = self._bind_loop()
         deadline = None if timeout is None else loop.time() + timeout
+        by_fd = False  # the fd woke us: a message most likely waits, so recv at once
         while True:
             if self.codec.has_outbox():
                 self._flush_outbox()
-            # ZMQ_EVENTS first, not a recv that raises zmq.Again: one call either way,
-            # and when nothing is queued it is also the re-arm that `_wait` needs.
-            events = self._events()
-            if not events & POLLIN:
-                # Between messages, never with one in hand; and queued input first: a peer
-                # whose heartbeats wait in our queue is late, not dead.
-                if self._peers_due():
-                    self._check_peers()
-                if not await self._wait(loop, POLLIN, deadline, events):
-                    raise TransportTimeout(
-                        f"channel {self.name}: nothing received for {timeout}s; "
-                        f"raise `{timeout_setting}` if the peer is just slow"
-                    )
-                continue
+            if not by_fd:
+                # ZMQ_EVENTS first, not a recv that raises zmq.Again: one call either way,
+                # and when nothing is queued it is also the re-arm that sleeping needs.
+                events = self._events()
+                if not events & POLLIN:
+                    # Between messages, never with one in hand; and queued input first: a
+                    # peer whose heartbeats wait in our queue is late, not dead.
+                    if self._peers_due():
+                        self._check_peers()
+                    sleep = self._sleep_on(loop, POLLIN, deadline, events)
+                    if not isinstance(sleep, bool):
+                        by_fd = await sleep
+                        sleep = self._woke(loop, POLLIN, deadline)
+                    if not sleep:
+                        raise TransportTimeout(
+                            f"channel {self.name}: nothing received for {timeout}s; "
+                            f"raise `{timeout_setting}` if the peer is just slow"
+                        )
+                    continue
+            by_fd = False  # if this recv finds nothing, EVENTS re-arms the fd before a sleep
             frames = self._try_recv()
             if frames is None:
                 continue
             try:
                 got = self._decode(frames)
             except ProtocolError as exc:
-                self.bad_messages += 1
-                if self.bad_messages <= 10 or self.bad_messages % 1000 == 0:  # no log floods
-                    log.warning(
-                        "channel %s: dropped malformed message (%d so far): %s",
-                        self.name,
-                        self.bad_messages,
-                        exc,
-                    )
-                if self.on_bad_message is not None and self._admitted_sender(frames):
-                    # The owner decides whether this loss matters (a known peer with work
-                    # in flight: yes); the header, if it decodes, says what was lost.
-                    peer = self._name_of.get(frames[0], frames[0]) if self._router else None
-                    self.on_bad_message(
-                        peer, exc, _header_of(frames[1:] if self._router else frames)
-                    )
+                self._malformed(frames, exc)
                 continue
             if got is None:  # a peer not admitted sent tensors or acks: dropped undecoded
                 continue
@@ -115,10 +110,34 @@ class RecvPath(SendPath):
                 continue
             return got
 
+    def _malformed(self, frames: list[Any], exc: ProtocolError) -> None:
+        self.bad_messages += 1
+        if self.bad_messages <= 10 or self.bad_messages % 1000 == 0:  # no log floods
+            log.warning(
+                "channel %s: dropped malformed message (%d so far): %s",
+                self.name,
+                self.bad_messages,
+                exc,
+            )
+        if self.on_bad_message is not None and self._admitted_sender(frames):
+            # The owner decides whether this loss matters (a known peer with work in
+            # flight: yes); the header, if it decodes, says what was lost.
+            peer = self._name_of.get(frames[0], frames[0]) if self._router else None
+            self.on_bad_message(peer, exc, _header_of(frames[1:] if self._router else frames))
+
     def _try_recv(self) -> list[Any] | None:
         sock = self._sock
+        frames: list[Any]
         try:
-            first = sock.recv(NOBLOCK, copy=False)
+            if self._router:
+                # A ROUTER puts the sender's identity before every message, and always
+                # more parts after it: bytes, no Frame for its RCVMORE bit.
+                frames = [sock.recv(NOBLOCK)]
+                more = True
+            else:
+                first = sock.recv(NOBLOCK, copy=False)
+                frames = [first.bytes]
+                more = first.more
         except zmq.Again:
             return None
         except zmq.ZMQError as exc:
@@ -126,12 +145,15 @@ class RecvPath(SendPath):
         self._poke()
         # Identity, kind and header are small: bytes are cheapest. Tensor frames stay zmq
         # Frames (no copy until the codec copies them once into tensor memory). Frames
-        # carry their RCVMORE bit (`more`): no getsockopt per part.
-        frames: list[Any] = [first.bytes]
+        # carry their RCVMORE bit (`more`): no getsockopt per part. The parts of a message
+        # arrive together, so NOBLOCK never fails on one (were it to, never hang: what was
+        # read is decoded, and a truncated message is malformed).
         n_small = 3 if self._router else 2
-        more = first.more
         while more:
-            part = sock.recv(0, copy=False)
+            try:
+                part = sock.recv(NOBLOCK, copy=False)
+            except zmq.Again:
+                break
             more = part.more
             if len(frames) <= _MAX_PARTS:  # beyond: drain but drop; decode rejects it
                 frames.append(part.bytes if len(frames) < n_small else part)

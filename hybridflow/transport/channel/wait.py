@@ -6,13 +6,16 @@ recv.py). A recv that finds a message costs no future at all; one that must wait
 costs one future and no task (`_wait`). This is what brings a small-message round trip
 between two processes near raw pyzmq latency.
 
-ZMQ_FD is edge-triggered: it only says "state may have changed", so waiters always
-re-read ZMQ_EVENTS, and any operation of ours wakes the other waiters to re-check
-(`_poke`). Per message the fast path pays one ZMQ_EVENTS read per side of a wait, no
-exception, no enum arithmetic (zmq's constants are IntFlags: each `|`/`&` on them builds
-an enum member, hence the plain ints below) and no timer handle (one lazily re-armed
-timer serves every bounded wait of the channel: under uvloop, cancelling a timer closes
-a handle, which costs one more loop iteration).
+ZMQ_FD is edge-triggered: it only says "state may have changed", so a waiter reads
+ZMQ_EVENTS before it sleeps, and any operation of ours wakes the other waiters to re-check
+(`_poke`). Per message the fast path pays one ZMQ_EVENTS read per wait (a sleeper woken
+by the fd itself retries its operation at once: its result says whether the fd woke it,
+and the operation processes the socket's commands as the read would), no exception, no
+enum arithmetic (zmq's constants are IntFlags: each `|`/`&` on them builds an enum member,
+hence the plain ints below) and no timer handle (one lazily re-armed timer serves every
+bounded wait of the channel: under uvloop, cancelling a timer closes a handle, which
+costs one more loop iteration). A receive awaits its future itself (`_sleep_on`,
+`_woke`): no coroutine in between.
 
 Invariant: every wait is bounded by its deadline and, with a `PeerTable`, by the peers'
 heartbeat deadline (`PeerDeadError` names the peer); a closed channel wakes every sleeper
@@ -50,8 +53,9 @@ class SocketWaits:
     _closed: bool
     _fd: int  # the socket's ZMQ_FD, registered with the loop the channel is used on
     _loop: asyncio.AbstractEventLoop | None
-    # Tasks sleeping until the socket may be readable (POLLIN) / writable (POLLOUT).
-    _waiters: dict[int, list[asyncio.Future[None]]]
+    # Tasks sleeping until the socket may be readable (POLLIN) / writable (POLLOUT); the
+    # result: True if the fd woke them (likely a message), False for a poke or the timer.
+    _waiters: dict[int, list[asyncio.Future[bool]]]
     # The one timer that bounds every sleeper's wait: armed for the earliest wake-up
     # asked for; firing early only makes the sleepers re-check (and re-arm it).
     _timer: asyncio.TimerHandle | None
@@ -85,17 +89,17 @@ class SocketWaits:
             # Each sleeper re-reads ZMQ_EVENTS or retries its operation before it sleeps
             # again, which re-arms the fd. The loop's poll is level-triggered: should none
             # of them get to it (cancelled meanwhile), this runs again and drains it below.
-            self._wake()
+            self._wake(POLL_ANY, True)
         else:
             self._sock.getsockopt(EVENTS)  # nobody to re-check: re-arm the fd here
 
-    def _wake(self, flag: int = POLL_ANY) -> None:
+    def _wake(self, flag: int = POLL_ANY, by_fd: bool = False) -> None:
         for f in (POLLIN, POLLOUT):
             if flag & f and self._waiters[f]:
                 waiters, self._waiters[f] = self._waiters[f], []
                 for fut in waiters:
                     if not fut.done():
-                        fut.set_result(None)
+                        fut.set_result(by_fd)
 
     def _poke(self) -> None:
         """An operation of ours succeeded; it may have consumed the fd's edge while the
@@ -115,6 +119,22 @@ class SocketWaits:
         which may still find nothing) or `deadline` passes (False); raise PeerDeadError if
         a watched peer dies meanwhile. `events`: ZMQ_EVENTS as the caller just read it,
         with no socket operation since (else it is read here)."""
+        sleep = self._sleep_on(loop, flag, deadline, events)
+        if isinstance(sleep, bool):
+            return sleep
+        await sleep
+        return self._woke(loop, flag, deadline)
+
+    def _sleep_on(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        flag: int,
+        deadline: float | None,
+        events: int | None,
+    ) -> asyncio.Future[bool] | bool:
+        """`_wait` up to its sleep: True (retry now: `events` has `flag`), False (the
+        deadline passed), or the future to await, then `_woke`. Its result is True if the
+        fd woke it, when the retried operation will most likely find what it waits for."""
         if self._closed:
             raise PipelineError(f"channel {self.name} is closed")
         # Reading EVENTS re-arms the fd: only after this may we sleep on it. If it shows
@@ -136,11 +156,14 @@ class SocketWaits:
             if peer_deadline is not None:
                 at = now + max(0.0, peer_deadline - self.peers.clock()) + 1e-3
                 wake_at = at if wake_at is None else min(wake_at, at)
-        fut = loop.create_future()
+        fut: asyncio.Future[bool] = loop.create_future()
         self._waiters[flag].append(fut)
         if wake_at is not None and wake_at < self._timer_at:
             self._arm_timer(loop, wake_at)
-        await fut
+        return fut
+
+    def _woke(self, loop: asyncio.AbstractEventLoop, flag: int, deadline: float | None) -> bool:
+        """After the sleep of `_sleep_on`: True (retry the operation) or False (timed out)."""
         if self._closed:
             raise PipelineError(f"channel {self.name} is closed")
         return deadline is None or loop.time() < deadline or bool(self._events() & flag)
