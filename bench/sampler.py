@@ -53,15 +53,15 @@ row_uniform, sample, split_seed = _sampler.row_uniform, _sampler.sample, _sample
 Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def former_sample_baseline(
+def former_logp(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
-    u: torch.Tensor,
     truncate: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampler before the few-pass rework (sampler.py at 393e197), the baseline."""
+) -> torch.Tensor:
+    """The former sampler's distribution (sampler.py at 393e197): [B, V] log-probs.
+    tests/rollout_native/test_native_sampler_passes.py uses it as the reference too."""
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / temp[:, None]
@@ -79,13 +79,26 @@ def former_sample_baseline(
         kept = torch.full_like(kept, float("-inf")).scatter(-1, order, kept)
         truncating = ((top_k > 0) | (top_p < 1)) & ~greedy
         logp = torch.where(truncating[:, None], kept, logp)
+    return logp
+
+
+def former_sample_baseline(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+    truncate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler before the few-pass rework (sampler.py at 393e197), the baseline."""
+    logp = former_logp(logits, temperature, top_k, top_p, truncate)
     probs = logp.exp()
     cdf = probs.cumsum(-1)
     x = u * cdf[:, -1]
     idx = (cdf <= x[:, None]).sum(-1)
     cols = torch.arange(logp.shape[-1], device=logp.device)
     last = torch.where(probs > 0, cols, -1).amax(-1)
-    tok = torch.where(greedy, logits.argmax(-1), torch.minimum(idx, last))
+    tok = torch.where(temperature <= 0, logits.argmax(-1), torch.minimum(idx, last))
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 

@@ -1,4 +1,4 @@
-"""The few-pass sampler against the former one (kept here as `_old_sample`, the reference)
+"""The few-pass sampler against the former one (kept in bench/sampler.py, the reference)
 and against the exact distributions: same tokens on all but boundary rows, the same
 log-probs, seeded chi-square tests for temperature, top-k, top-p and their combinations,
 greedy rows, -inf entries, and rows of a truncating batch untouched by it."""
@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,52 +28,19 @@ CDF_ATOL = 1e-6
 LOGPROB_ATOL = 2e-6  # float32 rounding of log-probs of magnitude ~12 (V = 151,936)
 
 
-def _old_logp(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    truncate: bool,
-) -> torch.Tensor:
-    """The former sampler's distribution (sampler.py at 393e197): [B, V] log-probs."""
-    greedy = temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits / temp[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    if truncate:
-        vocab = logits.shape[-1]
-        ordered, order = torch.sort(scaled, dim=-1, descending=True)
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        kth = ordered.gather(-1, (k - 1)[:, None])
-        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-        probs = torch.softmax(ordered, dim=-1)
-        p = torch.where(top_p < 1, top_p, torch.full_like(top_p, 2.0))
-        drop = (probs.cumsum(-1) - probs) >= p[:, None]
-        kept = torch.log_softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
-        kept = torch.full_like(kept, float("-inf")).scatter(-1, order, kept)
-        truncating = ((top_k > 0) | (top_p < 1)) & ~greedy
-        logp = torch.where(truncating[:, None], kept, logp)
-    return logp
+def _bench() -> Any:
+    """bench/sampler.py, which keeps the former sampler (sampler.py at 393e197)."""
+    path = Path(__file__).parents[2] / "bench" / "sampler.py"
+    spec = importlib.util.spec_from_file_location("sampler_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
-def _old_sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    u: torch.Tensor,
-    truncate: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The former sampler (sampler.py at 393e197), the reference: -> tokens, log-probs."""
-    logp = _old_logp(logits, temperature, top_k, top_p, truncate)
-    probs = logp.exp()
-    cdf = probs.cumsum(-1)
-    x = u * cdf[:, -1]
-    idx = (cdf <= x[:, None]).sum(-1)
-    cols = torch.arange(logp.shape[-1], device=logp.device)
-    last = torch.where(probs > 0, cols, -1).amax(-1)
-    tok = torch.where(temperature <= 0, logits.argmax(-1), torch.minimum(idx, last))
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+_BENCH = _bench()
+_old_logp = _BENCH.former_logp  # the former sampler's [B, V] distribution: the reference
+_old_sample = _BENCH.former_sample_baseline  # ... and its draw
 
 
 def _exact(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
@@ -271,11 +239,7 @@ def test_sampler_captures_in_a_cuda_graph() -> None:
 def test_the_bench_runs_and_counts_fewer_passes() -> None:
     """bench/sampler.py at a small size: both batches measured, the new sampler with at
     most half the former's passes over [B, V] and the same tokens."""
-    path = Path(__file__).parents[2] / "bench" / "sampler.py"
-    spec = importlib.util.spec_from_file_location("sampler_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _BENCH
     opts = argparse.Namespace(
         batch=8, vocab=3000, device="cpu", warmup=0, repeats=1, graph=False, compile=False
     )
