@@ -6,6 +6,8 @@ rows of every micro-batch (the scheduler's `shard_rows`), for `steps` optimizer 
 rank 0 writes the full weights and every step's metrics to `out` (safetensors + JSON).
 Checkpoints go through the role's `save_shards` / `load_shards`, as the store does.
 `run_jobs` runs several such jobs on one spawn of the ranks (a spawn costs seconds).
+A job with `syncs` also takes the actor's weight stream (`weight_buckets`) before its
+first step and after its last; every rank writes what it would send (`sync_payloads`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ class Job:
     out: Path
     load_from: Path | None = None
     save_to: Path | None = None
+    syncs: bool = False  # the actor's stream update before the first step and after the last
+
+
+def _sync(role: Any, out: Path, rank: int, when: str) -> None:
+    """One stream update (collective), every bucket merged, as rank `rank` would send it."""
+    payload = {k: v.detach().cpu().clone() for b in role.weight_buckets() for k, v in b.items()}
+    save_file(payload, str(out / f"sync-{when}-{rank}.safetensors"))
+
+
+def sync_payloads(job: Job, world: int, when: str) -> list[dict[str, torch.Tensor]]:
+    """Each rank's stream update of a `syncs` job: `when` is "first" or "last"."""
+    return [load_file(str(job.out / f"sync-{when}-{r}.safetensors")) for r in range(world)]
 
 
 def _run_job(rank: int, world: int, init_method: str, job: Job, cuda: bool) -> None:
@@ -82,7 +96,11 @@ def _run_job(rank: int, world: int, init_method: str, job: Job, cuda: bool) -> N
             {f"mb{i}": o["ref_logprobs"] for i, o in enumerate(outs)},
             str(job.out / f"ref{rank}.safetensors"),
         )
+    if job.syncs:
+        _sync(role, job.out, rank, "first")
     metrics = train(role, job.micro_batches, job.steps, world, rank)
+    if job.syncs:
+        _sync(role, job.out, rank, "last")
     if job.save_to:
         extra = role.save_shards(job.save_to / "shards")
         if rank == 0:

@@ -13,10 +13,11 @@ import json
 
 import pytest
 import torch
-from fsdp_helpers import Job, full_weights, run_jobs, train
+from fsdp_helpers import Job, full_weights, run_jobs, sync_payloads, train
 from safetensors.torch import load_file
 from stage_helpers import make_role, prompt_batch, sequences
 
+from hybridflow.models.lora import is_adapter
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.critic import Critic
 from hybridflow.stages.reference import Reference
@@ -49,6 +50,7 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 ACTOR = {"model": "tiny", "lr": 1e-3, "kl_loss_coef": 0.0, "forward_batch_size": 2}
 LORA = {"model": "tiny", "lr": 1e-3, "lora_rank": 4, "lora_alpha": 8.0, "forward_batch_size": 2}
+LORA_SYNC = {**LORA, "lora_sync": "adapters"}
 STEPS = 3
 HAS_PEFT = importlib.util.find_spec("peft") is not None
 EQUAL = {  # test_two_ranks_equal_one_process's variants
@@ -81,6 +83,9 @@ def ranked(tmp_path_factory, micro_batches):
     if HAS_PEFT:
         jobs["lora"] = Job(
             "actor", LORA, micro_batches, STEPS, root / "lora", save_to=root / "lora-ck"
+        )
+        jobs["lora-sync"] = Job(
+            "actor", LORA_SYNC, micro_batches, STEPS, root / "lora-sync", syncs=True
         )
     results = run_jobs(2, list(jobs.values()))
     out = dict(zip(jobs, results, strict=True))
@@ -164,3 +169,40 @@ def test_two_fsdp_ranks_train_the_adapters_as_one_process_does(ranked, micro_bat
     back.load_shards(ck / "shards", state["extra"])
     got = full_weights(back)
     assert all(torch.equal(got[k], weights[k]) for k in weights)
+
+
+def _stream(role) -> dict[str, torch.Tensor]:
+    """One stream update of a one-process actor, every bucket merged (copies)."""
+    return {k: v.detach().clone() for b in role.weight_buckets() for k, v in b.items()}
+
+
+def test_two_fsdp_ranks_stream_the_model_once_then_the_adapters_one_process_has(
+    ranked, micro_batches
+):
+    """`lora_sync: adapters` under FSDP (issue 24): every rank's first stream update is the
+    whole wrapped model, gathered, bit for bit one process's; after the steps each rank
+    sends the lora_A / lora_B tensors only, whole (every rank gathers them), equal on both
+    ranks and to what one process sends after the same steps."""
+    if not HAS_PEFT:
+        pytest.skip("needs peft")
+    job = ranked["jobs"]["lora-sync"]
+    one = make_role(Actor, "actor", LORA_SYNC)
+    first_one = _stream(one)
+    train(one, micro_batches, STEPS)
+    last_one = _stream(one)
+    adapters = {k for k in first_one if is_adapter(k)}
+    assert adapters and adapters != first_one.keys()  # the first update holds the base too
+    assert last_one.keys() == adapters
+    assert any(not torch.equal(last_one[k], first_one[k]) for k in adapters)  # it trained
+    for payload in sync_payloads(job, 2, "first"):
+        assert payload.keys() == first_one.keys()
+        assert all(torch.equal(payload[k], first_one[k]) for k in payload)
+    last = sync_payloads(job, 2, "last")
+    for payload in last:
+        assert all(torch.equal(payload[k], last[0][k]) for k in payload)
+        _close(payload, last_one)
+    # What the ranks sent is what they hold: their trained adapters, gathered.
+    weights, _ = ranked["lora-sync"]
+    assert all(torch.equal(last[0][k], weights[k]) for k in adapters)
+    sent = sum(t.numel() * t.element_size() for t in last[0].values())
+    assert sent * 5 < sum(t.numel() * t.element_size() for t in first_one.values())
