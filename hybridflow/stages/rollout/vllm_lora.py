@@ -37,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -47,8 +47,16 @@ from hybridflow.stages.base import Metrics
 from hybridflow.stages.rollout import vllm_compat
 from hybridflow.stages.rollout.weights import Pairs, WeightSink
 
-if TYPE_CHECKING:
-    from hybridflow.stages.rollout.vllm import VLLMRollout
+
+class _Engine(Protocol):
+    """What the sink needs of the vllm rollout role (vllm.py), named here rather than
+    imported so that vllm.py (which builds the sink) and this module form no circle."""
+
+    llm: Any
+    asleep: Any
+
+    def wake_up(self, tags: list[str] | None = None) -> Any: ...
+
 
 _PEFT_PREFIX = "base_model.model."  # peft's key prefix in adapter_model.safetensors
 
@@ -58,7 +66,7 @@ class AdapterSink(WeightSink):
 
     failed = vllm_compat.WeightSyncError
 
-    def __init__(self, role: VLLMRollout, lora: Mapping[str, Any]) -> None:
+    def __init__(self, role: _Engine, lora: Mapping[str, Any]) -> None:
         self.role = role
         self.lora = dict(lora)  # the actor's lora_rank / lora_alpha / lora_target_modules
         self.loader = vllm_compat.WeightUpdate(role.llm)
