@@ -15,6 +15,10 @@ requests). One short untimed run warms up first. Reported per configuration:
   capture_s         CUDA-graph capture time (graphs mode)
   peak_mem_gb       torch.cuda.max_memory_allocated during the run (GPU)
   kv_cache_gb       the KV cache allocated for N slots
+  decode_path       module | fused | compiled (--paths; each configuration runs per path)
+  kernels_per_step  CUDA kernels one decode step's forward launches (torch.profiler over
+                    one eager forward; a CUDA graph replays the same kernels), and
+                    sampler_kernels the same for the sampling step (GPU)
 With --frontend async (CUDA graphs only) the same run also goes through `AsyncEngine`:
 every request submitted at once from an event loop, stepped by the engine thread, as the
 role's concurrent `generate` calls run it; `step_ms` there is wall / steps.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -68,6 +73,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="async: also measure through AsyncEngine (graphs mode)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--paths",
+        default="fused",
+        help="decode paths, comma-separated: module (the HF modules' ops), fused "
+        "(native/fused.py), compiled (fused, its elementwise parts through torch.compile; "
+        "CUDA only)",
+    )
     p.add_argument(
         "--fp32-lm-head", action="store_true", help="the output head in float32 (models/heads.py)"
     )
@@ -131,13 +143,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.frontend == "async":
             out["skipped"].append("async frontend: measured with CUDA graphs only")
         modes = [False]
-    for graphs in modes:
-        for n in seqs:
-            fronts = ["sync", "async"] if graphs and args.frontend == "async" else ["sync"]
-            for front in fronts:
-                out["results"].append(_measure(model, n, graphs, args, device, front))
-                print(json.dumps(out["results"][-1]), file=sys.stderr, flush=True)
+    paths = [x for x in str(getattr(args, "paths", "fused")).split(",") if x]
+    for bad in set(paths) - set(PATHS):
+        raise SystemExit(f"--paths: {bad!r} is not one of {', '.join(PATHS)}")
+    if device.type != "cuda" and "compiled" in paths:
+        out["skipped"].append("compiled decode path: CUDA only")
+        paths = [x for x in paths if x != "compiled"]
+    for path in paths:
+        for graphs in modes:
+            for n in seqs:
+                fronts = ["sync", "async"] if graphs and args.frontend == "async" else ["sync"]
+                for front in fronts:
+                    out["results"].append(_measure(model, n, graphs, args, device, front, path))
+                    print(json.dumps(out["results"][-1]), file=sys.stderr, flush=True)
     return out
+
+
+PATHS = ("module", "fused", "compiled")
+
+
+def _kernels(engine: NativeEngine, n: int) -> tuple[int, int]:
+    """CUDA kernels of one eager decode forward and one sampling step over n rows (run
+    between requests: rows 0..n-1 are free, their writes land in free slots)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = []
+    length = engine.lengths[0]
+    for fn in (lambda: engine._forward(n, length), lambda: engine._sample(n, False)):
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        counts.append(
+            sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        )
+    return counts[0], counts[1]
 
 
 def _measure(
@@ -147,12 +188,19 @@ def _measure(
     args: argparse.Namespace,
     device: torch.device,
     frontend: str = "sync",
+    path: str = "fused",
 ) -> dict[str, Any]:
     """One configuration: a warm-up run, then the timed run of N sequences."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    engine = NativeEngine(model, _engine_config(n, graphs, args, device))
+    config = _engine_config(n, graphs, args, device)
+    config = dataclasses.replace(
+        config, fused_decode=path != "module", compile_decode=path == "compiled"
+    )
+    t0 = time.perf_counter()
+    engine = NativeEngine(model, config)
+    setup_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(args.seed)  # warm-up prompts first, then the run's
 
     def requests(max_new: int) -> list[Request]:
@@ -163,10 +211,12 @@ def _measure(
     else:
         _drive(engine, requests(8))  # warm-up: allocator, kernels, prefill shapes
         wall, times, tokens = _drive(engine, requests(args.max_new_tokens))
+    kernels = _kernels(engine, n) if device.type == "cuda" and frontend == "sync" else None
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
     result = {
         "seqs": n,
         "frontend": frontend,
+        "decode_path": path,  # as asked; "fused_off" says why a model could not take it
         "cuda_graphs": engine.graphs is not None,
         "tokens": tokens,
         "tokens_per_s": round(tokens / wall, 1),
@@ -175,11 +225,16 @@ def _measure(
         "prefill_s": round(times[0], 4),
         "wall_s": round(wall, 3),
         "capture_s": round(engine.stats["capture_s"], 3),
+        "setup_s": round(setup_s, 3),  # engine build + capture (compiling, if compiled)
         "kv_cache_gb": round(engine.cache.nbytes / GIB, 4),
         "decode_lengths": engine.lengths,
     }
     if device.type == "cuda":
         result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 3)
+    if path != "module" and engine.fused_off is not None:
+        result["fused_off"] = engine.fused_off
+    if kernels is not None:
+        result["kernels_per_step"], result["sampler_kernels"] = kernels
     engine.release()
     return result
 

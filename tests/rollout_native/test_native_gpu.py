@@ -114,3 +114,26 @@ def test_aliased_weights_recapture_graphs() -> None:
         assert graphed[0, :n].tolist() == eager.tokens[0, :n].tolist()
     finally:
         r.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own torch.jit use
+def test_compiled_fused_decode_in_graphs_equals_the_module_path(tokenizer: Any) -> None:
+    """The fused path with its elementwise parts compiled, replayed from CUDA graphs, in
+    float32 (greedy tokens and log-probs of the module path's eager decode) and bfloat16
+    (greedy tokens: a bf16 rounding may flip a near tie, so most, not all)."""
+    for dtype, exact in ((None, True), ("bfloat16", False)):
+        kw = {} if dtype is None else {"dtype": dtype}
+        model = build(tokenizer, "tiny-qwen3", device="cuda", **kw)
+        reqs = _requests()
+        module = run_all(engine(model, fused_decode=False, cuda_graphs=False), reqs)
+        eng = engine(model, compile_decode=True, max_num_seqs=16, graph_batch_sizes=(2, 4, 8))
+        assert eng.model.fused is not None and eng.model.fused.compiled
+        assert eng.graphs is not None and eng.graphs.captured
+        compiled = run_all(eng, reqs)
+        same = sum(torch.equal(a.tokens, b.tokens) for a, b in zip(module, compiled, strict=True))
+        if exact:
+            assert same == len(reqs)
+            for a, b in zip(module, compiled, strict=True):
+                assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
+        else:
+            assert same >= len(reqs) - 1

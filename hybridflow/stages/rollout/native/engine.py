@@ -33,6 +33,7 @@ read, never written.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,8 @@ from hybridflow.stages.rollout.native.request import Request, RequestOutput
 from hybridflow.stages.rollout.native.sampler import row_uniform, sample, split_seed
 from hybridflow.stages.rollout.native.scheduler import Moves, Scheduler
 
+log = logging.getLogger("hybridflow.rollout.native")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -68,6 +71,11 @@ class EngineConfig:
     max_stop_ids: int = 8  # stop ids per request (a static buffer width)
     autocast_bf16: bool = False  # run the float32 model under bf16 autocast
     keep_sessions: bool = True  # park a session's K/V between its requests (False: re-prefill)
+    # decode in few kernels: merged q/k/v and gate/up weights, one mask per step (fused.py);
+    # a model it cannot take (another activation, LoRA-wrapped projections) keeps the
+    # module path
+    fused_decode: bool = True
+    compile_decode: bool = False  # and its elementwise parts through torch.compile (CUDA)
 
 
 @dataclass
@@ -86,6 +94,13 @@ class NativeEngine:
             hf_model, round_up(config.max_model_len), autocast_bf16=config.autocast_bf16, path=path
         )
         self.device = self.model.device
+        self.fused_off: str | None = "fused_decode: false"  # why decode takes the module path
+        if config.fused_decode:
+            self.fused_off = self.model.fuse(
+                compile_fns=config.compile_decode and self.device.type == "cuda"
+            )
+            if self.fused_off is not None:
+                log.info("%s: decode takes the module path: %s", path or "native", self.fused_off)
         self.cache = SlotCache(
             layers=len(self.model.layers),
             kv_heads=self.model.num_kv_heads,

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.errors import ConfigError
+from hybridflow.stages.rollout.native.fused import FusedDecode, unfusable
 
 SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama", "mistral")
 
@@ -109,6 +110,23 @@ class NativeModel:
             probe = torch.zeros(1, device=self.device, dtype=self.embed.weight.dtype)
             cos, sin = body.rotary_emb(probe, self.cols[None, :])
         self.cos, self.sin = cos[0], sin[0]  # [L, D]
+        self.fused: FusedDecode | None = None  # decode in few kernels (fused.py), if fuse()d
+
+    def fuse(self, *, compile_fns: bool = False) -> str | None:
+        """Take the fused decode path (fused.py) -> None, or why this model cannot."""
+        why = unfusable(self.hf)
+        if why is None:
+            self.fused = FusedDecode(self, compile_fns=compile_fns)
+        return why
+
+    def unfuse(self) -> None:
+        """Back to the module path (e.g. before LoRA wraps the projections); the modules'
+        parameters stay views of the merged tensors, which hold their values."""
+        self.fused = None
+
+    def refresh_fused(self) -> int:
+        """After a weight update: copy replaced parameters into the merged tensors."""
+        return 0 if self.fused is None else self.fused.refresh()
 
     def _qk_norm(
         self, i: int, q: torch.Tensor, k: torch.Tensor
@@ -236,6 +254,8 @@ class NativeModel:
         are only graph padding, whose output nobody reads)."""
         b = tokens.shape[0]
         n = kv.shape[4] if length is None else min(length, kv.shape[4])
+        if self.fused is not None:
+            return self.fused.decode(tokens, positions, rows, kv, n)
         cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
         cq, sq = cos[:, None, None, :], sin[:, None, None, :]
         ck, sk = cos[:, None, :], sin[:, None, :]

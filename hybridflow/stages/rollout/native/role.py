@@ -83,6 +83,13 @@ class NativeRolloutOptions(HFRolloutOptions):
     kv_cache_gb: float = 4.0  # KV cache budget; slots = min(max_num_seqs, budget // slot)
     max_num_seqs: int = 256  # most sequences decoded together
     cuda_graphs: bool = True  # CUDA-graph decode steps (GPU only; CPU always runs eager)
+    # Decode in few kernels (native/fused.py): merged q/k/v and gate/up projections (the
+    # modules' weights become views of them, rebuilt at every weight update), one
+    # attention mask per step. Models it cannot take keep the module path.
+    fused_decode: bool = True
+    # ... and its norm, RoPE and SiLU parts through torch.compile (CUDA only; the first
+    # capture compiles them, tens of seconds)
+    compile_decode: bool = False
     graph_batch_sizes: list[int] = field(default_factory=list)  # [] = default buckets
     # attention lengths of decode steps ([] = 64, 128, ... up to the slot's; one value
     # >= max_prompt_len + max_new_tokens makes every step read whole slots)
@@ -201,6 +208,8 @@ class NativeRollout(RolloutState, RoleBase):
             max_stop_ids=max(1, len(self.eos_ids)),
             autocast_bf16=opts.autocast_bf16,
             keep_sessions=opts.reuse_kv,
+            fused_decode=opts.fused_decode,
+            compile_decode=opts.compile_decode,
         )
         self.engine = AsyncEngine(NativeEngine(model, config, path=path))
         self.weights = InPlaceWeights(
@@ -227,6 +236,7 @@ class NativeRollout(RolloutState, RoleBase):
 
         def wrap(core: NativeEngine) -> AdapterWeights:
             model = core.model.hf
+            core.model.unfuse()  # the merged weights would skip the adapters
             hold(model, lora, seed=seed, path=self._path)
             core.model.lm_head = model.lm_head  # a targeted head is peft's layer now
             core.refresh_graphs()  # captured over the unwrapped modules
@@ -393,7 +403,10 @@ class NativeRollout(RolloutState, RoleBase):
 
     def _finish(self, core: NativeEngine, metrics: Metrics, version: int | None) -> Metrics:
         assert self.weights is not None
-        if self.weights.replaced:  # aliased storage: the graphs point at the old tensors
+        # Aliased storage: the fused decode's merged weights take the new values, and the
+        # graphs (which point at the old tensors where they read the modules) re-capture.
+        core.model.refresh_fused()
+        if self.weights.replaced:
             core.refresh_graphs()
         return self._updated(metrics, version)
 
