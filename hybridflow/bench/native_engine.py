@@ -16,9 +16,10 @@ requests). One short untimed run warms up first. Reported per configuration:
   peak_mem_gb       torch.cuda.max_memory_allocated during the run (GPU)
   kv_cache_gb       the KV cache allocated for N slots
   decode_path       module | fused | compiled (--paths; each configuration runs per path)
-  kernels_per_step  CUDA kernels one decode step's forward launches (torch.profiler over
-                    one eager forward; a CUDA graph replays the same kernels), and
-                    sampler_kernels the same for the sampling step (GPU)
+  forward_kernels   CUDA kernels one decode step's forward launches (torch.profiler over
+                    one eager forward; a CUDA graph replays the same kernels), their summed
+                    time (forward_kernel_us) and the costliest (forward_top: name,
+                    launches, µs); sampler_* the same for the sampling step (GPU)
 With --frontend async (CUDA graphs only) the same run also goes through `AsyncEngine`:
 every request submitted at once from an event loop, stepped by the engine thread, as the
 role's concurrent `generate` calls run it; `step_ms` there is wall / steps.
@@ -162,23 +163,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 PATHS = ("module", "fused", "compiled")
 
 
-def _kernels(engine: NativeEngine, n: int) -> tuple[int, int]:
+def _kernels(engine: NativeEngine, n: int) -> dict[str, Any]:
     """CUDA kernels of one eager decode forward and one sampling step over n rows (run
-    between requests: rows 0..n-1 are free, their writes land in free slots)."""
+    between requests: rows 0..n-1 are free, their writes land in free slots), and the
+    forward's and sampler's costliest kernels (name, launches, total µs)."""
     from torch.profiler import ProfilerActivity, profile
 
-    counts = []
+    out: dict[str, Any] = {}
     length = engine.lengths[0]
-    for fn in (lambda: engine._forward(n, length), lambda: engine._sample(n, False)):
+    parts = {
+        "forward": lambda: engine._forward(n, length),
+        "sampler": lambda: engine._sample(n, False),
+    }
+    for name, fn in parts.items():
         fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        counts.append(
-            sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        )
-    return counts[0], counts[1]
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out[f"{name}_kernels"] = len(kernels)
+        out[f"{name}_kernel_us"] = round(sum(_us(e) for e in kernels), 1)
+        by: dict[str, list[float]] = {}
+        for e in kernels:
+            by.setdefault(e.name[:80], []).append(_us(e))
+        top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:8]
+        out[f"{name}_top"] = [[k, len(v), round(sum(v), 1)] for k, v in top]
+    return out
+
+
+def _us(event: Any) -> float:
+    return float(getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0))
 
 
 def _measure(
@@ -234,7 +249,7 @@ def _measure(
     if path != "module" and engine.fused_off is not None:
         result["fused_off"] = engine.fused_off
     if kernels is not None:
-        result["kernels_per_step"], result["sampler_kernels"] = kernels
+        result.update(kernels)
     engine.release()
     return result
 

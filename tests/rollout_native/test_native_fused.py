@@ -97,3 +97,20 @@ def test_compiled_functions_equal_eager(tokenizer: Any) -> None:
     for x, y in zip(out, again, strict=True):
         assert torch.equal(x.tokens, y.tokens)
         assert torch.allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
+def test_a_compile_that_fails_falls_back_to_eager_with_the_reason(qwen: Any) -> None:
+    """compile_decode on a machine where inductor cannot build (no C compiler for Triton):
+    the engine's probe catches it, says why, and decodes eagerly. The failing compiled
+    function is a stand-in at the probe's seam (CPU never compiles)."""
+    eng = engine(qwen)
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("triton: no C compiler\nmore")
+
+    eng._uniform = broken
+    eng.model.fused.compiled = True
+    eng._probe_compiled()
+    assert eng.compile_error == "RuntimeError: triton: no C compiler"
+    assert not eng.model.fused.compiled and eng._uniform is not broken
+    _same(run_all(eng, _requests()), run_all(engine(qwen, fused_decode=False), _requests()))

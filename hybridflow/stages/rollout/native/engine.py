@@ -75,7 +75,7 @@ class EngineConfig:
     # a model it cannot take (another activation, LoRA-wrapped projections) keeps the
     # module path
     fused_decode: bool = True
-    compile_decode: bool = False  # and its elementwise parts through torch.compile (CUDA)
+    compile_decode: bool = True  # and its elementwise parts through torch.compile (CUDA)
 
 
 @dataclass
@@ -95,12 +95,17 @@ class NativeEngine:
         )
         self.device = self.model.device
         self.fused_off: str | None = "fused_decode: false"  # why decode takes the module path
+        compiled = config.compile_decode and self.device.type == "cuda"
         if config.fused_decode:
-            self.fused_off = self.model.fuse(
-                compile_fns=config.compile_decode and self.device.type == "cuda"
-            )
+            self.fused_off = self.model.fuse(compile_fns=compiled)
             if self.fused_off is not None:
                 log.info("%s: decode takes the module path: %s", path or "native", self.fused_off)
+        # The per-row uniforms are ~35 integer ops on [B] (4 hash rounds): one kernel
+        # compiled, and integer arithmetic is exact either way.
+        self._uniform: Any = row_uniform
+        if compiled:
+            self._uniform = torch.compile(row_uniform, dynamic=True, fullgraph=True)
+        self.compile_error: str | None = None  # why a compile_decode fell back to eager
         self.cache = SlotCache(
             layers=len(self.model.layers),
             kv_heads=self.model.num_kv_heads,
@@ -166,7 +171,31 @@ class NativeEngine:
         self.logits = torch.zeros(
             self.num_slots, self.model.vocab, dtype=torch.float32, device=self.device
         )
+        self._probe_compiled()
         self.refresh_graphs()
+
+    @torch.no_grad()
+    def _probe_compiled(self) -> None:
+        """Run the compiled parts once (no row is live: rows 0..1 write free slots); a
+        compile that fails on this machine (no C compiler for Triton, an inductor gap)
+        falls back to the eager functions with a warning, not a failed rollout."""
+        fused = self.model.fused
+        if self._uniform is row_uniform and (fused is None or not fused.compiled):
+            return
+        b = min(2, self.num_slots)  # 2: dynamo specialises a size of 1
+        try:
+            self._forward(b, self.lengths[0])
+            self._sample(b, False)
+        except Exception as e:  # any compiler failure: reported below
+            self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning(
+                "%s: compile_decode failed, decoding with the eager fused path: %s",
+                self.path or "native",
+                self.compile_error,
+            )
+            if fused is not None:
+                fused.uncompile()
+            self._uniform = row_uniform
 
     def release(self) -> int:
         """Free the cache and graphs (sleep); returns the bytes the cache held."""
@@ -332,13 +361,12 @@ class NativeEngine:
     def _forward(self, b: int, n: int) -> None:
         c = self.cache
         assert self.logits is not None and c.kv is not None
-        logits = self.model.decode(c.tokens[:b], c.positions[:b], c.rows[:b], c.kv, n)
-        self.logits[:b].copy_(logits)
+        self.model.decode(c.tokens[:b], c.positions[:b], c.rows[:b], c.kv, n, self.logits[:b])
 
     def _sample(self, b: int, truncate: bool) -> None:
         c = self.cache
         assert self.logits is not None
-        u = row_uniform(c.seed_lo[:b], c.seed_hi[:b], c.row[:b], c.gen_len[:b])
+        u = self._uniform(c.seed_lo[:b], c.seed_hi[:b], c.row[:b], c.gen_len[:b])
         tok, lp = sample(self.logits[:b], c.temperature[:b], c.top_k[:b], c.top_p[:b], u, truncate)
         c.record(c.rows[:b], tok, lp)
 

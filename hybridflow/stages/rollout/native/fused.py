@@ -180,6 +180,12 @@ class FusedDecode:
         if compile_fns:
             self._compile()
 
+    def uncompile(self) -> None:
+        """Back to the eager functions (a compile that failed on this machine)."""
+        self._norm, self._add_norm = rms_norm, add_rms_norm
+        self._qkv_rope, self._silu_mul = qkv_rope, silu_mul
+        self.compiled = False
+
     def _compile(self) -> None:
         # dynamic: one compilation serves every batch bucket; emulate_precision_casts:
         # inductor keeps bf16 intermediates in float32 unless told to round where eager
@@ -212,8 +218,10 @@ class FusedDecode:
         rows: torch.Tensor,  # [B] int64 = arange(B)
         kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D]
         n: int,  # attend to positions < n
+        out: torch.Tensor | None = None,  # [B, V] float32 to write the logits into
     ) -> torch.Tensor:
-        """NativeModel.decode's contract, in few kernels -> logits [B, V]."""
+        """NativeModel.decode's contract, in few kernels -> logits [B, V] (`out` if given:
+        the head's output is cast into it, not first into a float32 copy of its own)."""
         m = self.model
         b = tokens.shape[0]
         cos, sin = m.cos[positions], m.sin[positions]  # [B, D]
@@ -257,7 +265,9 @@ class FusedDecode:
                 delta = layer.mlp.down_proj(self._silu_mul(gu))
             assert delta is not None
             h, _ = self._add_norm(x, delta, m.norm.weight, m.norm.variance_epsilon)
-            return m.lm_head(h).float()
+            if out is None:
+                return m.lm_head(h).float()
+            return out.copy_(m.lm_head(h))
 
 
 def _qkv(attn: Any) -> list[Any]:

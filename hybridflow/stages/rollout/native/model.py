@@ -247,6 +247,7 @@ class NativeModel:
         rows: torch.Tensor,  # [B] int64, = arange(B) (a static buffer: no arange per step)
         kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D], S >= B; row b uses slot b
         length: int | None = None,  # attend to positions < length (> every row's position)
+        out: torch.Tensor | None = None,  # [B, V] float32: write the logits here
     ) -> torch.Tensor:
         """One token per row -> logits [B, V]. Shapes are static given B and `length`
         (CUDA-graph safe). Attention reads the first `length` positions of each slot, not
@@ -255,7 +256,7 @@ class NativeModel:
         b = tokens.shape[0]
         n = kv.shape[4] if length is None else min(length, kv.shape[4])
         if self.fused is not None:
-            return self.fused.decode(tokens, positions, rows, kv, n)
+            return self.fused.decode(tokens, positions, rows, kv, n, out)
         cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
         cq, sq = cos[:, None, None, :], sin[:, None, None, :]
         ck, sk = cos[:, None, :], sin[:, None, :]
@@ -280,7 +281,8 @@ class NativeModel:
                 )  # [B, Hkv, G, D]
                 x = x + attn.o_proj(o.reshape(b, -1))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
-            return self.lm_head(self.norm(x)).float()
+            logits = self.lm_head(self.norm(x)).float()
+            return logits if out is None else out.copy_(logits)
 
 
 # -- the prompt half of admission ---------------------------------------------------------
