@@ -90,6 +90,7 @@ from hybridflow.stages.common import (
     options_path,
     response_logprobs,
 )
+from hybridflow.stages.compiled import compile_layers
 from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.packing import (
     PackingOptions,
@@ -211,6 +212,9 @@ class Actor(PolicySender, ShardedModelRole, RoleBase):
                 self.model.enable_input_require_grads()
         self.shard_if_asked(ctx, self.opts, trainable=True)
         check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
+        compile_layers(
+            self.opts.compile_layers, self.model, self.group is not None, options_path(ctx)
+        )
         self.trainer = Trainer(
             self.model,
             self.opts,

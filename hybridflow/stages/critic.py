@@ -43,6 +43,7 @@ from hybridflow.stages.common import (
     options_path,
     response_values,
 )
+from hybridflow.stages.compiled import compile_layers
 from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.packing import PackingOptions, Rows, check_packing, forward_groups
 from hybridflow.stages.parallel.options import ShardingOptions
@@ -82,6 +83,9 @@ class Critic(ShardedModelRole, RoleBase):
         self.add_adapters(ctx, self.opts, "value")  # LoRA: the value head still trains whole
         self.shard_if_asked(ctx, self.opts, trainable=True)
         check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
+        compile_layers(
+            self.opts.compile_layers, self.model, self.group is not None, options_path(ctx)
+        )
         self.trainer = Trainer(
             self.model,
             self.opts,

@@ -69,6 +69,9 @@ class PackingOptions:
     # document-masked attention. Off until measured on a GPU: with sdpa the packed mask
     # is T x T and fully computed; flex_attention / flash skip the masked blocks
     pack_sequences: bool = False
+    # torch.compile each decoder layer (stages/compiled.py): fused elementwise kernels in
+    # forward and backward; the first forwards compile (tens of seconds). Not with fsdp
+    compile_layers: bool = False
 
     def validate_packing(self, path: str) -> None:
         if self.max_tokens_per_micro_batch < 0:

@@ -40,6 +40,7 @@ from hybridflow.stages.common import (
     options_path,
     response_logprobs,
 )
+from hybridflow.stages.compiled import compile_layers
 from hybridflow.stages.contract import RoleBase, op
 from hybridflow.stages.packing import PackingOptions, check_packing, forward_groups
 from hybridflow.stages.parallel.options import ShardingOptions
@@ -103,6 +104,9 @@ class Reference(ShardedModelRole, RoleBase):
         # Sharded only with `fsdp: true` (frozen: its replicas may as well be full copies).
         self.shard_if_asked(ctx, self.opts, trainable=False)
         check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
+        compile_layers(
+            self.opts.compile_layers, self.model, self.group is not None, options_path(ctx)
+        )
 
     def bind_colocated(self) -> None:
         """Share a colocated role's base model, or load one's own (module docstring).

@@ -1,0 +1,125 @@
+"""`python bench/actor_profile.py [--config grpo-gpu-real] [--rows 64] [--top 25]`: where
+the actor's `update` spends a micro-batch (issue 25: training is most of a
+`grpo-gpu-real` step), on one GPU.
+
+Builds the actor role with the preset's own options (model, dtype, autocast, token
+budget, log-prob chunks), feeds it one micro-batch shaped like the preset's: `--rows`
+rows, left-padded prompts of 60-110 tokens, responses at log-normal lengths (median 256,
+sigma 0.75, capped at 1024, as the native rollout's forced lengths), seeded random ids,
+advantages, rollout and reference log-probs. One warm-up `update`, then `--steps` timed
+updates (wall, tokens/s, the usual 6*N*tokens MFU estimate against 989.5 TFLOP/s), then
+one update under torch.profiler: prints one JSON object with the timings and the
+`--top` CUDA ops by self device time (name, calls, ms) and the summed kernel time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+PEAK = 989.5e12
+
+
+def _batch(rows: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(60, 111, (rows,), generator=g)
+    rlen = torch.exp(math.log(256) + 0.75 * torch.randn(rows, generator=g)).long().clamp(1, 1024)
+    p, r = int(plen.max()), int(rlen.max())
+    pm = (torch.arange(p)[None, :] >= (p - plen)[:, None]).long()
+    rm = (torch.arange(r)[None, :] < rlen[:, None]).long()
+    return {
+        "prompt_ids": torch.randint(0, vocab, (rows, p), generator=g) * pm,
+        "prompt_mask": pm,
+        "response_ids": torch.randint(0, vocab, (rows, r), generator=g) * rm,
+        "response_mask": rm,
+        "advantages": torch.randn(rows, r, generator=g) * rm,
+        "rollout_logprobs": -torch.rand(rows, r, generator=g) * 5 * rm,
+        "ref_logprobs": -torch.rand(rows, r, generator=g) * 5 * rm,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="grpo-gpu-real")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--set", action="append", default=[], help="actor option KEY=VALUE (YAML)")
+    args = ap.parse_args(argv)
+    import hybridflow.config as cfgpkg
+    from hybridflow.stages.actor import Actor
+    from hybridflow.stages.base import StageContext
+
+    preset = Path(cfgpkg.__file__).parent / "presets" / f"{args.config}.yaml"
+    doc = yaml.safe_load(preset.read_text())
+    options = dict(doc["stages"]["engine"]["roles"]["actor"]["options"])
+    for kv in args.set:
+        k, v = kv.split("=", 1)
+        options[k] = yaml.safe_load(v)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    ctx = StageContext(
+        stage="actor", replica=0, device=dev, seed=0, run_dir=Path("/tmp"), options=options
+    )
+    role = Actor()
+    role.setup(ctx)
+    params = sum(p.numel() for p in role.model.parameters())
+    vocab = int(role.model.config.vocab_size)
+    mb = _batch(args.rows, vocab, 0)
+    tokens = int(mb["prompt_mask"].sum() + mb["response_mask"].sum())
+    role.handle("update", mb, {})
+    role.handle("optimizer_step", {}, {})
+    sync()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        role.handle("update", mb, {})
+        sync()
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    role.handle("optimizer_step", {}, {})
+    sync()
+    opt_s = time.perf_counter() - t0
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        role.handle("update", mb, {})
+        sync()
+    rows = []
+    for e in prof.key_averages():
+        dt = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if dt > 0:
+            rows.append([e.key[:90], e.count, round(dt / 1e3, 2)])
+    rows.sort(key=lambda r: -r[2])
+    upd = min(times)
+    out: dict[str, Any] = {
+        "config": args.config,
+        "options": {k: options.get(k) for k in sorted(options) if k != "model_overrides"},
+        "params": params,
+        "rows": args.rows,
+        "tokens": tokens,
+        "response_tokens": int(mb["response_mask"].sum()),
+        "update_s": round(upd, 4),
+        "optimizer_step_s": round(opt_s, 4),
+        "tokens_per_s": round(tokens / upd, 1),
+        "mfu": round(6 * params * tokens / upd / PEAK, 4),
+        "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if dev.type == "cuda"
+        else None,
+        "device_ms": round(sum(r[2] for r in rows), 1),
+        "top": rows[: args.top],
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
