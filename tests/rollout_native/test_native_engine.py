@@ -36,9 +36,12 @@ def hf_logprobs(model: Any, prompt: torch.Tensor, tokens: torch.Tensor, t: float
     return torch.log_softmax(logits / t, -1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def test_greedy_tokens_equal_the_hf_forward(model: Any) -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "module"])
+def test_greedy_tokens_equal_the_hf_forward(model: Any, fused: bool) -> None:
     ps = prompts(5, seed=1)
-    (out,) = run_all(engine(model), [Request(ps, GREEDY, seed=0)])
+    eng = engine(model, fused_decode=fused)
+    assert (eng.model.fused is not None) == fused
+    (out,) = run_all(eng, [Request(ps, GREEDY, seed=0)])
     assert out.tokens.shape == (5, 12) and out.lengths.tolist() == [12] * 5
     for i, p in enumerate(ps):
         assert out.tokens[i].tolist() == hf_greedy(model, p, 12)
