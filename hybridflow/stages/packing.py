@@ -70,7 +70,9 @@ class PackingOptions:
     # is T x T and fully computed; flex_attention / flash skip the masked blocks
     pack_sequences: bool = False
     # torch.compile each decoder layer (stages/compiled.py): fused elementwise kernels in
-    # forward and backward; the first forwards compile (tens of seconds). Not with fsdp
+    # forward and backward; the first forwards compile (tens of seconds). Not with fsdp.
+    # Off by default: on an H200 one grpo-gpu-real actor micro-batch ran 1.44x faster,
+    # but 3 steps end to end ran slower (new group shapes kept compiling; bench/RESULTS.md)
     compile_layers: bool = False
 
     def validate_packing(self, path: str) -> None:
