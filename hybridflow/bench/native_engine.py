@@ -78,7 +78,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--paths",
         default="fused",
         help="decode paths, comma-separated: module (the HF modules' ops), fused "
-        "(native/fused.py), compiled (fused, its elementwise parts through torch.compile; "
+        "(native/forward/fused.py), compiled (fused, its elementwise parts through torch.compile; "
         "CUDA only)",
     )
     p.add_argument(

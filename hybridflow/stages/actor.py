@@ -90,12 +90,12 @@ from hybridflow.stages.common import (
     options_path,
     response_logprobs,
 )
-from hybridflow.stages.compiled import compile_layers
 from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.packing import (
     PackingOptions,
     Rows,
     check_packing,
+    compile_layers,
     forward_groups,
     gather_rows,
     group_batch,

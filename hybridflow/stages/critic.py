@@ -43,9 +43,14 @@ from hybridflow.stages.common import (
     options_path,
     response_values,
 )
-from hybridflow.stages.compiled import compile_layers
 from hybridflow.stages.contract import RoleBase, Scope, op
-from hybridflow.stages.packing import PackingOptions, Rows, check_packing, forward_groups
+from hybridflow.stages.packing import (
+    PackingOptions,
+    Rows,
+    check_packing,
+    compile_layers,
+    forward_groups,
+)
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
 from hybridflow.stages.trainer import Trainer, TrainOptions, denominator

@@ -2,7 +2,8 @@
 reference, critic): what the model computes, not what it sees. Every op still takes and
 returns the padded layout of stages/common.py ([B, P] prompts, [B, R] responses).
 
-Two options (`PackingOptions`, mixed into each role's options), each off by default:
+Three options (`PackingOptions`, mixed into each role's options), each off by default
+(the third, `compile_layers`, is at the end of this module: how the same forwards run):
 
   max_tokens_per_micro_batch: K > 0   a micro-batch reaches the model in groups of
                                       consecutive rows whose real tokens (prompt tokens +
@@ -69,7 +70,7 @@ class PackingOptions:
     # document-masked attention. Off until measured on a GPU: with sdpa the packed mask
     # is T x T and fully computed; flex_attention / flash skip the masked blocks
     pack_sequences: bool = False
-    # torch.compile each decoder layer (stages/compiled.py): fused elementwise kernels in
+    # torch.compile each decoder layer (end of stages/packing.py): fused elementwise kernels in
     # forward and backward; the first forwards compile (tens of seconds). Not with fsdp.
     # Off by default: on an H200 one grpo-gpu-real actor micro-batch ran 1.44x faster,
     # but 3 steps end to end ran slower (new group shapes kept compiling; bench/RESULTS.md)
@@ -235,3 +236,40 @@ def scatter_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.zeros(valid.shape, dtype=values.dtype, device=values.device).masked_scatter(
         valid, values
     )
+
+
+# -- compile_layers ------------------------------------------------------------------
+# `compile_layers`: the training roles' decoder layers through torch.compile (issue 25).
+#
+# Profiled on an H200 (bench/actor_profile.py, bench/RESULTS.md): an actor `update` of
+# `grpo-gpu-real`'s shapes spends about a quarter of its device time in GEMMs and most of
+# the rest in elementwise kernels (RMSNorm's eight ops, RoPE, SiLU*mul, residual adds,
+# autocast's casts), each a pass over [tokens, hidden] forward and backward. Compiling
+# each decoder layer (as torchtitan compiles each block) lets inductor fuse them.
+#
+# dynamic=True: the actor's forwards come in many shapes (token-budget groups, each cut
+# to its own longest row), and one compilation with symbolic sizes serves them all.
+# Refused with FSDP for now (the shards' hooks run inside the compiled call; not measured).
+
+
+def decoder_layers(model: Any) -> list[Any] | None:
+    """The transformer blocks of an HF model (under peft's wrapper too), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(base, "model", None)
+    layers = getattr(body, "layers", None)
+    return list(layers) if layers is not None else None
+
+
+def compile_layers(on: bool, model: Any, sharded: bool, path: str) -> int:
+    """Compile each decoder layer in place (module.compile) if `on`; returns how many."""
+    if not on:
+        return 0
+    key = f"{path}.compile_layers" if path else "compile_layers"
+    if sharded:
+        raise ConfigError(key, "is not supported with a sharded model (fsdp) yet")
+    layers = decoder_layers(model)
+    if not layers:
+        raise ConfigError(key, f"{type(model).__name__} has no model.layers to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)

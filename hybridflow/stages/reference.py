@@ -40,9 +40,8 @@ from hybridflow.stages.common import (
     options_path,
     response_logprobs,
 )
-from hybridflow.stages.compiled import compile_layers
 from hybridflow.stages.contract import RoleBase, op
-from hybridflow.stages.packing import PackingOptions, check_packing, forward_groups
+from hybridflow.stages.packing import PackingOptions, check_packing, compile_layers, forward_groups
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
 

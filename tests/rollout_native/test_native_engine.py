@@ -10,7 +10,7 @@ import torch
 from native_helpers import build, engine, prompts, run_all
 
 from hybridflow.errors import BatchError, ConfigError
-from hybridflow.stages.rollout.native.model import NativeModel
+from hybridflow.stages.rollout.native.forward.model import NativeModel
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)

@@ -1,4 +1,4 @@
-"""The fused decode path (native/fused.py) on CPU: it is what the engine takes for every
+"""The fused decode path (native/forward/fused.py) on CPU: it is what the engine takes for every
 supported architecture, its tokens and log-probs equal the module path's, the modules'
 weights are views of its merged tensors (an in-place load reaches it, a replaced tensor
 is copied back by refresh), LoRA-wrapped projections keep the module path, and its
@@ -12,7 +12,7 @@ import pytest
 import torch
 from native_helpers import build, engine, prompts, run_all
 
-from hybridflow.stages.rollout.native.fused import FusedDecode, unfusable
+from hybridflow.stages.rollout.native.forward.fused import FusedDecode, unfusable
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
 
 SAMPLED = SamplingParams(temperature=0.8, max_new_tokens=20, n=2)

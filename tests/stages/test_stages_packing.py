@@ -281,24 +281,19 @@ def test_packed_flex_attention_on_cuda_equals_padded_sdpa(batch):
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own torch.jit use
 @pytest.mark.filterwarnings("ignore:The .grad attribute:UserWarning")  # dynamo probes .grad
-def test_compiled_layers_give_the_eager_update_and_reference_logprobs(batch):
-    """compile_layers (stages/compiled.py) under a token budget (several group shapes, one
-    dynamic compilation): the actor's gradients, metrics and step, and the reference's
-    log-probs, equal the eager ones (inductor's CPU backend here; CUDA's on the GPU)."""
+def test_compiled_layers_give_the_eager_update(batch):
+    """compile_layers (end of stages/packing.py) under a token budget (several group shapes, one
+    dynamic compilation): the actor's gradients, metrics and step equal the eager ones
+    (inductor's CPU backend here; CUDA's on the GPU). The reference and critic call the
+    same function on the same layers; one compiled role keeps the suite's time down."""
     budget = {"max_tokens_per_micro_batch": 40}
     want = _update(budget, batch)
     got = _update({**budget, "compile_layers": True}, batch)
     _assert_same_update(got, want, rel=1e-4)
-    refs = [
-        make_role(Reference, "ref", {"model": "tiny", **budget, "compile_layers": on})
-        for on in (False, True)
-    ]
-    lps = [r.handle("get_logprob", _seqs(batch), {})[0]["ref_logprobs"] for r in refs]
-    torch.testing.assert_close(lps[1], lps[0], atol=1e-5, rtol=0)
 
 
 def test_compile_layers_with_fsdp_or_no_layers_names_the_key():
-    from hybridflow.stages.compiled import compile_layers
+    from hybridflow.stages.packing import compile_layers
 
     with pytest.raises(ConfigError, match=r"actor\.compile_layers.*sharded"):
         compile_layers(True, torch.nn.Linear(2, 2), True, "actor")

@@ -8,7 +8,8 @@ Mistral model's own modules, with continuous batching, a slot KV cache and CUDA-
             +-- engine.NativeEngine    add_request / step(): prefill, decode, retire
                   +-- scheduler.Scheduler   pure slot bookkeeping (rows dense in slots)
                   +-- kv_cache.SlotCache    KV cache + per-slot decode buffers
-                  +-- model.NativeModel     prefill/decode forward over the HF modules
+                  +-- forward.model.NativeModel   prefill/decode over the HF modules
+                  |     +-- forward.fused.FusedDecode   decode in few kernels
                   +-- sampler               per-row counter-based sampling, log-probs
                   +-- graphs.DecodeGraphs   CUDA graphs per batch-size bucket
 

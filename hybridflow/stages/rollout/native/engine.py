@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from hybridflow.errors import BatchError, ConfigError
+from hybridflow.stages.rollout.native.forward.model import NativeModel, prompt_logits
 from hybridflow.stages.rollout.native.graphs import (
     DecodeGraphs,
     default_buckets,
@@ -48,7 +49,6 @@ from hybridflow.stages.rollout.native.graphs import (
     pick,
 )
 from hybridflow.stages.rollout.native.kv_cache import SlotCache, round_up
-from hybridflow.stages.rollout.native.model import NativeModel, prompt_logits
 from hybridflow.stages.rollout.native.request import Request, RequestOutput
 from hybridflow.stages.rollout.native.sampler import row_uniform, sample, split_seed
 from hybridflow.stages.rollout.native.scheduler import Moves, Scheduler

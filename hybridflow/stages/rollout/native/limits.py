@@ -28,8 +28,8 @@ from typing import Any
 
 from hybridflow.errors import ConfigError
 from hybridflow.models.loader import DTYPES
+from hybridflow.stages.rollout.native.forward.model import SUPPORTED_ARCHS
 from hybridflow.stages.rollout.native.kv_cache import ALIGN, GIB, round_up, slot_bytes
-from hybridflow.stages.rollout.native.model import SUPPORTED_ARCHS
 
 DEFAULT_MAX_PROMPT_LEN = 512  # keeps slots (and so the KV cache per sequence) modest
 

@@ -83,7 +83,7 @@ class NativeRolloutOptions(HFRolloutOptions):
     kv_cache_gb: float = 4.0  # KV cache budget; slots = min(max_num_seqs, budget // slot)
     max_num_seqs: int = 256  # most sequences decoded together
     cuda_graphs: bool = True  # CUDA-graph decode steps (GPU only; CPU always runs eager)
-    # Decode in few kernels (native/fused.py): merged q/k/v and gate/up projections (the
+    # Decode in few kernels (native/forward/fused.py): merged q/k/v and gate/up projections (the
     # modules' weights become views of them, rebuilt at every weight update), one
     # attention mask per step. Models it cannot take keep the module path.
     fused_decode: bool = True

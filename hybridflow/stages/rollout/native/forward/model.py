@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.errors import ConfigError
-from hybridflow.stages.rollout.native.fused import FusedDecode, unfusable
+from hybridflow.stages.rollout.native.forward.fused import FusedDecode, unfusable
 
 SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama", "mistral")
 
