@@ -92,7 +92,8 @@ def add_rms_norm(
     return rms_norm(x, weight, eps), x
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's `apply_rotary_pos_emb` for one tensor (same ops, same order)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos) + (rotated * sin)
@@ -119,8 +120,8 @@ def qkv_rope(
         q = rms_norm(q, q_norm, eps)
     if k_norm is not None:
         k = rms_norm(k, k_norm, eps)
-    q = _rope(q, cos[:, None, None, :], sin[:, None, None, :])
-    k = _rope(k, cos[:, None, :], sin[:, None, :])
+    q = rope(q, cos[:, None, None, :], sin[:, None, None, :])
+    k = rope(k, cos[:, None, :], sin[:, None, :])
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
@@ -172,18 +173,16 @@ class FusedDecode:
                     gate_up_b, more = _merge([m.bias for m in gu])
                     views += more
                 self.layers.append(_Layer(qkv_w, qkv_b, gate_up_w, gate_up_b, views))
-        self.compiled = False
-        self._norm: Callable[..., Any] = rms_norm
-        self._add_norm: Callable[..., Any] = add_rms_norm
-        self._qkv_rope: Callable[..., Any] = qkv_rope
-        self._silu_mul: Callable[..., Any] = silu_mul
+        self.uncompile()
         if compile_fns:
             self._compile()
 
     def uncompile(self) -> None:
-        """Back to the eager functions (a compile that failed on this machine)."""
-        self._norm, self._add_norm = rms_norm, add_rms_norm
-        self._qkv_rope, self._silu_mul = qkv_rope, silu_mul
+        """The eager functions (at build, or after a compile failed on this machine)."""
+        self._norm: Callable[..., Any] = rms_norm
+        self._add_norm: Callable[..., Any] = add_rms_norm
+        self._qkv_rope: Callable[..., Any] = qkv_rope
+        self._silu_mul: Callable[..., Any] = silu_mul
         self.compiled = False
 
     def _compile(self) -> None:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.errors import ConfigError
-from hybridflow.stages.rollout.native.forward.fused import FusedDecode, unfusable
+from hybridflow.stages.rollout.native.forward.fused import FusedDecode, rope, unfusable
 
 SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama", "mistral")
 
@@ -69,13 +69,6 @@ def check_supported(model: Any, path: str, max_len: int | None = None) -> None:
             f"{max_len} (max_prompt_len + max_new_tokens, rounded up to 16); the native engine "
             "attends to every position: keep slots within the window or use the hf backend",
         )
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's `apply_rotary_pos_emb` for one tensor (same ops, same order)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)
 
 
 class NativeModel:
@@ -165,7 +158,7 @@ class NativeModel:
                 q = attn.q_proj(h).view(u, p, self.num_heads, self.head_dim)
                 k = attn.k_proj(h).view(u, p, self.num_kv_heads, self.head_dim)
                 q, k = self._qk_norm(i, q, k)
-                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                q, k = rope(q, cos, sin), rope(k, cos, sin)
                 v = attn.v_proj(h).view(u, p, self.num_kv_heads, self.head_dim)
                 kv[i, 0][where] = k[group].to(self.dtype)
                 kv[i, 1][where] = v[group].to(self.dtype)
@@ -223,7 +216,7 @@ class NativeModel:
                 q = attn.q_proj(h).view(u, a, self.num_heads, self.head_dim)
                 k = attn.k_proj(h).view(u, a, self.num_kv_heads, self.head_dim)
                 q, k = self._qk_norm(i, q, k)
-                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                q, k = rope(q, cos, sin), rope(k, cos, sin)
                 v = attn.v_proj(h).view(u, a, self.num_kv_heads, self.head_dim)
                 kv[i, 0][wslot, :, wpos] = k.flatten(0, 1)[flat].to(self.dtype)  # [N, Hkv, D]
                 kv[i, 1][wslot, :, wpos] = v.flatten(0, 1)[flat].to(self.dtype)
@@ -272,7 +265,7 @@ class NativeModel:
                 k = attn.k_proj(h).view(b, self.num_kv_heads, self.head_dim)
                 v = attn.v_proj(h).view(b, self.num_kv_heads, self.head_dim)
                 q, k = self._qk_norm(i, q, k)
-                q, k = _rope(q, cq, sq), _rope(k, ck, sk)
+                q, k = rope(q, cq, sq), rope(k, ck, sk)
                 kc, vc = kv[i, 0, :b], kv[i, 1, :b]  # [B, Hkv, L, D] views of the cache
                 kc[rows, :, positions] = k.to(self.dtype)
                 vc[rows, :, positions] = v.to(self.dtype)
