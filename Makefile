@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 VENV_VLLM ?= .venv-vllm
 
-.PHONY: demo test test-unit test-examples test-learning test-vllm test-browser lint docs docs-check bench clean
+.PHONY: test-compile demo test test-unit test-examples test-learning test-vllm test-browser lint docs docs-check bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,14 +28,20 @@ $(VENV)/.docs: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m hybridflow demo
 
-test: lint docs-check test-unit test-examples test-vllm test-browser
+test: lint docs-check test-unit test-compile test-examples test-vllm test-browser
 
 # The main suite; `--durations` lists the slowest tests in CI's output. Tests marked
 # `slow` (real processes, several seconds each) are part of it on purpose: they are the
 # suite's end-to-end checks, and no other target runs them. `pytest -m "not slow and not
 # example"` is the quick local loop, not a CI target. `browser` tests are test-browser's.
 test-unit: $(VENV)/.dev
-	$(PY) -m pytest -q -p no:cacheprovider -m "not example and not browser" --durations=20
+	$(PY) -m pytest -q -p no:cacheprovider -m "not example and not browser and not compile" --durations=20
+
+# torch.compile on the CPU (inductor's C++ backend): the compiled training layers (each
+# role warms ~8 graph variants at setup, a C++ build each) and the native decode's
+# functions. Minutes of compiler time, so out of the 15-minute main suite.
+test-compile: $(VENV)/.dev
+	$(PY) -m pytest -q -p no:cacheprovider -m compile --durations=5
 
 # Examples that must visibly learn (minutes each on 2 cores): a suite of their own.
 # Those also marked `learning` (another 8-10 minutes each) run in `make test-learning`,

@@ -50,6 +50,7 @@ from hybridflow.stages.packing import (
     check_packing,
     compile_layers,
     forward_groups,
+    warm_compiled,
 )
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
@@ -88,8 +89,15 @@ class Critic(ShardedModelRole, RoleBase):
         self.add_adapters(ctx, self.opts, "value")  # LoRA: the value head still trains whole
         self.shard_if_asked(ctx, self.opts, trainable=True)
         check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
-        compile_layers(
+        compiled = compile_layers(
             self.opts.compile_layers, self.model, self.group is not None, options_path(ctx)
+        )
+        packed = self.opts.pack_sequences
+        warm_compiled(
+            compiled,
+            self.model,
+            lambda b: response_values(self.model, b, self.device, packed=packed),
+            (True, False),
         )
         self.trainer = Trainer(
             self.model,

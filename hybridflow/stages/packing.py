@@ -46,7 +46,7 @@ a group's trimmed forward equals its untrimmed one up to float rounding.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,6 +250,21 @@ def scatter_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 # dynamic=True: the actor's forwards come in many shapes (token-budget groups, each cut
 # to its own longest row), and one compilation with symbolic sizes serves them all.
 # Refused with FSDP for now (the shards' hooks run inside the compiled call; not measured).
+#
+# Variants. Every layer of a process shares one compiled frame, and dynamo still keeps a
+# separate graph per (grad mode, autocast state) pair, for a group of ONE row (symbolic
+# sizes specialise 0 and 1) and for a group with no padding at all (transformers then
+# passes `attention_mask=None`, a type guard). A hybrid engine's actor (update with grad,
+# log-probs without) and reference (no grad, its own dtype) meet about twelve, more than
+# dynamo's default recompile_limit of 8, past which the frame silently runs eagerly; and
+# the rare ones (an unpadded group, a lone row) first appear steps into a run, each a
+# compile of tens of seconds mid-step. On an H200 that made three compiled steps of
+# grpo-gpu-real slower than eager ones although one micro-batch ran 1.44x faster
+# (bench/RESULTS.md). So `compile_layers` raises the limit and `warm_compiled` runs the
+# role's own forward on tiny synthetic groups of each variant at setup: the compiles are
+# paid before the first step, not inside the steps.
+
+RECOMPILE_LIMIT = 64  # per frame: ~4 shape variants x the grad/autocast modes of 3 roles
 
 
 def decoder_layers(model: Any) -> list[Any] | None:
@@ -270,6 +285,55 @@ def compile_layers(on: bool, model: Any, sharded: bool, path: str) -> int:
     layers = decoder_layers(model)
     if not layers:
         raise ConfigError(key, f"{type(model).__name__} has no model.layers to compile")
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)
+
+
+def _warm_group(rows: int, padded: bool, vocab: int) -> dict[str, torch.Tensor]:
+    """A synthetic group of `rows` rows (prompt 3, response 3 tokens): with `padded` the
+    last row's prompt is left-padded and its response one token short, so the group has
+    an attention mask; without, it has none (module comment above)."""
+    pm = torch.ones(rows, 3, dtype=torch.int64)
+    rm = torch.ones(rows, 3, dtype=torch.int64)
+    if padded:
+        pm[-1, 0] = 0
+        rm[-1, -1] = 0
+    ids = torch.arange(rows * 6, dtype=torch.int64).remainder(vocab).view(rows, 6)
+    return {
+        "prompt_ids": ids[:, :3] * pm,
+        "prompt_mask": pm,
+        "response_ids": ids[:, 3:] * rm,
+        "response_mask": rm,
+    }
+
+
+def warm_compiled(
+    compiled: int,  # compile_layers' return: 0 = nothing compiled, nothing to warm
+    model: Any,
+    run: Callable[[dict[str, torch.Tensor]], torch.Tensor],  # the role's forward of a group
+    grads: Sequence[bool],  # the grad modes the role's ops run `run` in
+) -> int:
+    """Compile every variant of the role's forward now (module comment above): `run` on a
+    1-row and a 2-row group, padded and not, under each grad mode; with grad, a backward
+    too (its graph compiles at the first backward), whose gradients are then dropped so
+    the role starts as if nothing ran. Returns the forwards run."""
+    if not compiled:
+        return 0
+    vocab = int(model.config.vocab_size)
+    n = 0
+    for grad in grads:
+        for rows in (1, 2):
+            for padded in (False, True):
+                with torch.set_grad_enabled(grad):
+                    out = run(_warm_group(rows, padded, vocab))
+                    if grad:
+                        out.float().sum().backward()
+                n += 1
+    for p in model.parameters():
+        p.grad = None
+    return n

@@ -41,7 +41,13 @@ from hybridflow.stages.common import (
     response_logprobs,
 )
 from hybridflow.stages.contract import RoleBase, op
-from hybridflow.stages.packing import PackingOptions, check_packing, compile_layers, forward_groups
+from hybridflow.stages.packing import (
+    PackingOptions,
+    check_packing,
+    compile_layers,
+    forward_groups,
+    warm_compiled,
+)
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
 
@@ -103,8 +109,22 @@ class Reference(ShardedModelRole, RoleBase):
         # Sharded only with `fsdp: true` (frozen: its replicas may as well be full copies).
         self.shard_if_asked(ctx, self.opts, trainable=False)
         check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
-        compile_layers(
+        compiled = compile_layers(
             self.opts.compile_layers, self.model, self.group is not None, options_path(ctx)
+        )
+        opts = self.opts
+        warm_compiled(
+            compiled,
+            self.model,
+            lambda b: response_logprobs(
+                self.model,
+                b,
+                self.device,
+                opts.temperature,
+                chunk_tokens=opts.logprob_chunk_tokens,
+                packed=opts.pack_sequences,
+            )[0],
+            (False,),
         )
 
     def bind_colocated(self) -> None:

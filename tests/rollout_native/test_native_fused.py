@@ -83,6 +83,7 @@ def test_lora_wrapped_projections_are_not_fusable(tokenizer: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own torch.jit use
 def test_compiled_functions_equal_eager(tokenizer: Any) -> None:
     """torch.compile of the three elementwise functions (dynamic shapes, fullgraph): the

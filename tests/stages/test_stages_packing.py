@@ -111,9 +111,13 @@ def test_actor_logprobs_and_entropy_packed_equal_padded(batch, chunk, name, pack
         assert bool((got[1][key][batch["response_mask"] == 0] == 0).all())
 
 
-def _update(opts, mb, cls=Actor, base=ACTOR):
+def _update(opts, mb, cls=Actor, base=ACTOR, before=None):
     role = make_role(cls, "role", {**base, **opts})
+    if before is not None:  # after setup
+        before()
     metrics = role.handle("update", mb, {})[1]
+    if before is not None:  # the no-grad forwards too
+        role.handle("get_logprob" if cls is Actor else "values", _seqs(mb), {})
     grads = {n: p.grad.clone() for n, p in role.model.named_parameters() if p.grad is not None}
     before = {k: v.clone() for k, v in role.model.state_dict().items()}
     step = role.handle("optimizer_step", {}, {})[1]
@@ -279,17 +283,31 @@ def test_packed_flex_attention_on_cuda_equals_padded_sdpa(batch):
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own torch.jit use
 @pytest.mark.filterwarnings("ignore:The .grad attribute:UserWarning")  # dynamo probes .grad
 def test_compiled_layers_give_the_eager_update(batch):
     """compile_layers (end of stages/packing.py) under a token budget (several group shapes, one
     dynamic compilation): the actor's gradients, metrics and step equal the eager ones
     (inductor's CPU backend here; CUDA's on the GPU). The reference and critic call the
-    same function on the same layers; one compiled role keeps the suite's time down."""
+    same function on the same layers; one compiled role keeps the suite's time down.
+
+    Setup warms every variant (warm_compiled): the budget's groups here include lone rows,
+    unpadded and padded ones, and the update and get_logprob that follow compile no new
+    graph; the warm-up's backward leaves no gradient behind (the grads equal eager's)."""
+    from torch._dynamo.utils import counters
+
     budget = {"max_tokens_per_micro_batch": 40}
     want = _update(budget, batch)
-    got = _update({**budget, "compile_layers": True}, batch)
+    graphs = []
+    got = _update(
+        {**budget, "compile_layers": True},
+        batch,
+        before=lambda: graphs.append(counters["stats"]["unique_graphs"]),
+    )
+    graphs.append(counters["stats"]["unique_graphs"])
     _assert_same_update(got, want, rel=1e-4)
+    assert graphs[0] > 0 and graphs[1] == graphs[0], graphs  # compiled at setup, not later
 
 
 def test_compile_layers_with_fsdp_or_no_layers_names_the_key():
