@@ -27,6 +27,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hybridflow.config.loader import from_dict
 from hybridflow.errors import ConfigError
 from hybridflow.models.head_logprobs import LogprobOptions
@@ -112,20 +114,20 @@ class Reference(ShardedModelRole, RoleBase):
         compiled = compile_layers(
             self.opts.compile_layers, self.model, self.group is not None, options_path(ctx)
         )
-        opts = self.opts
-        warm_compiled(
-            compiled,
+        warm_compiled(compiled, self.model, self._logprobs, (False,))
+
+    def _logprobs(self, group: Batch) -> torch.Tensor:
+        """Log-probs [b, R] of one forward's rows (padded or packed per the options)."""
+        o = self.opts
+        assert o is not None
+        return response_logprobs(
             self.model,
-            lambda b: response_logprobs(
-                self.model,
-                b,
-                self.device,
-                opts.temperature,
-                chunk_tokens=opts.logprob_chunk_tokens,
-                packed=opts.pack_sequences,
-            )[0],
-            (False,),
-        )
+            group,
+            self.device,
+            o.temperature,
+            chunk_tokens=o.logprob_chunk_tokens,
+            packed=o.pack_sequences,
+        )[0]
 
     def bind_colocated(self) -> None:
         """Share a colocated role's base model, or load one's own (module docstring).
@@ -160,14 +162,7 @@ class Reference(ShardedModelRole, RoleBase):
         opts = self.opts
         with self.base_context() if self.base_context else contextlib.nullcontext():
             ref = chunked_no_grad(
-                lambda b: response_logprobs(
-                    self.model,
-                    b,
-                    self.device,
-                    opts.temperature,
-                    chunk_tokens=opts.logprob_chunk_tokens,
-                    packed=opts.pack_sequences,
-                )[0],
+                self._logprobs,
                 batch,
                 opts.forward_batch_size,
                 groups=forward_groups(batch, opts, opts.forward_batch_size),
