@@ -71,9 +71,9 @@ class PackingOptions:
     # is T x T and fully computed; flex_attention / flash skip the masked blocks
     pack_sequences: bool = False
     # torch.compile each decoder layer (end of stages/packing.py): fused elementwise kernels in
-    # forward and backward; the first forwards compile (tens of seconds). Not with fsdp.
-    # Off by default: on an H200 one grpo-gpu-real actor micro-batch ran 1.44x faster,
-    # but 3 steps end to end ran slower (new group shapes kept compiling; bench/RESULTS.md)
+    # forward and backward; setup compiles every variant (about a minute on an H200, more
+    # on a CPU). Not with fsdp. grpo-gpu-real turns it on (43.6 against 38.2 samples/s on
+    # an H200, bench/RESULTS.md); off by default, where the compile would outlast a short run
     compile_layers: bool = False
 
     def validate_packing(self, path: str) -> None:
@@ -258,11 +258,13 @@ def scatter_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 # log-probs without) and reference (no grad, its own dtype) meet about twelve, more than
 # dynamo's default recompile_limit of 8, past which the frame silently runs eagerly; and
 # the rare ones (an unpadded group, a lone row) first appear steps into a run, each a
-# compile of tens of seconds mid-step. On an H200 that made three compiled steps of
-# grpo-gpu-real slower than eager ones although one micro-batch ran 1.44x faster
-# (bench/RESULTS.md). So `compile_layers` raises the limit and `warm_compiled` runs the
+# compile of tens of seconds mid-step. On an H200 that (most likely) made three compiled
+# steps of grpo-gpu-real slower than eager ones although one micro-batch ran 1.44x faster;
+# warmed, they are 1.14x faster end to end (bench/RESULTS.md). So `compile_layers` raises the limit and `warm_compiled` runs the
 # role's own forward on tiny synthetic groups of each variant at setup: the compiles are
-# paid before the first step, not inside the steps.
+# paid before the first step, not inside the steps. (Inductor adds guards of its own that
+# tiny groups cannot cover, a length's alignment or a fusion size threshold: on the H200
+# three more graphs compiled in grpo-gpu-real's first step, none after.)
 
 RECOMPILE_LIMIT = 64  # per frame: ~4 shape variants x the grad/autocast modes of 3 roles
 
