@@ -217,7 +217,13 @@ class Actor(PolicySender, ShardedModelRole, RoleBase):
             self.opts.compile_layers, self.model, self.group is not None, options_path(ctx)
         )
         # update (grad) and the log-prob ops (no grad) each meet their own variants
-        warm_compiled(compiled, self.model, lambda b: self._logprobs(b)[0], (True, False))
+        warm_compiled(
+            compiled,
+            self.model,
+            lambda b: self._logprobs(b)[0],
+            (True, False),
+            self.opts.max_tokens_per_micro_batch,
+        )
         self.trainer = Trainer(
             self.model,
             self.opts,

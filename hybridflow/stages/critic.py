@@ -98,6 +98,7 @@ class Critic(ShardedModelRole, RoleBase):
             self.model,
             lambda b: response_values(self.model, b, self.device, packed=packed),
             (True, False),
+            self.opts.max_tokens_per_micro_batch,
         )
         self.trainer = Trainer(
             self.model,

@@ -262,9 +262,12 @@ def scatter_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 # steps of grpo-gpu-real slower than eager ones although one micro-batch ran 1.44x faster;
 # warmed, they are 1.14x faster end to end (bench/RESULTS.md). So `compile_layers` raises the limit and `warm_compiled` runs the
 # role's own forward on tiny synthetic groups of each variant at setup: the compiles are
-# paid before the first step, not inside the steps. (Inductor adds guards of its own that
-# tiny groups cannot cover, a length's alignment or a fusion size threshold: on the H200
-# three more graphs compiled in grpo-gpu-real's first step, none after.)
+# paid before the first step, not inside the steps. Inductor adds guards of its own
+# that tiny groups cannot cover, a length's alignment or a fusion size threshold: on the
+# H200, with tiny groups only, three more graphs compiled in grpo-gpu-real's first step
+# (none after). So with a token budget one budget-sized group of an aligned length is
+# warmed too; on CPU that moved the C++ backend's size-guarded graph (B x T > 4096) from
+# the first step to setup. Not yet measured on a GPU.
 
 RECOMPILE_LIMIT = 64  # per frame: ~4 shape variants x the grad/autocast modes of 3 roles
 
@@ -296,22 +299,36 @@ def compile_layers(on: bool, model: Any, sharded: bool, path: str) -> int:
     return len(layers)
 
 
-def _warm_group(rows: int, padded: bool, vocab: int) -> dict[str, torch.Tensor]:
-    """A synthetic group of `rows` rows (prompt 3, response 3 tokens): with `padded` the
-    last row's prompt is left-padded and its response one token short, so the group has
-    an attention mask; without, it has none (module comment above)."""
-    pm = torch.ones(rows, 3, dtype=torch.int64)
-    rm = torch.ones(rows, 3, dtype=torch.int64)
+def _warm_group(rows: int, padded: bool, vocab: int, length: int = 6) -> dict[str, torch.Tensor]:
+    """A synthetic group of `rows` rows of `length` positions (3 prompt, the rest
+    response): with `padded` the last row's prompt is left-padded and its response one
+    token short, so the group has an attention mask; without, it has none (module comment
+    above)."""
+    p, r = 3, length - 3
+    pm = torch.ones(rows, p, dtype=torch.int64)
+    rm = torch.ones(rows, r, dtype=torch.int64)
     if padded:
         pm[-1, 0] = 0
         rm[-1, -1] = 0
-    ids = torch.arange(rows * 6, dtype=torch.int64).remainder(vocab).view(rows, 6)
+    ids = torch.arange(rows * length, dtype=torch.int64).remainder(vocab).view(rows, length)
     return {
-        "prompt_ids": ids[:, :3] * pm,
+        "prompt_ids": ids[:, :p] * pm,
         "prompt_mask": pm,
-        "response_ids": ids[:, 3:] * rm,
+        "response_ids": ids[:, p:] * rm,
         "response_mask": rm,
     }
+
+
+def _warm_groups(vocab: int, budget: int) -> list[dict[str, torch.Tensor]]:
+    """The groups `warm_compiled` runs: the four kinds of the module comment, tiny (an
+    unaligned length of 6), and with a token budget one group of two rows as large as
+    the budget (an aligned length): inductor's own guards on a size threshold or a
+    length's alignment then see both sides before the first step (module comment)."""
+    groups = [_warm_group(rows, padded, vocab) for rows in (1, 2) for padded in (False, True)]
+    length = budget // 2 // 8 * 8
+    if length > 6:
+        groups.append(_warm_group(2, True, vocab, length))
+    return groups
 
 
 def warm_compiled(
@@ -319,23 +336,23 @@ def warm_compiled(
     model: Any,
     run: Callable[[dict[str, torch.Tensor]], torch.Tensor],  # the role's forward of a group
     grads: Sequence[bool],  # the grad modes the role's ops run `run` in
+    budget: int = 0,  # the role's max_tokens_per_micro_batch (0: none)
 ) -> int:
-    """Compile every variant of the role's forward now (module comment above): `run` on a
-    1-row and a 2-row group, padded and not, under each grad mode; with grad, a backward
-    too (its graph compiles at the first backward), whose gradients are then dropped so
-    the role starts as if nothing ran. Returns the forwards run."""
+    """Compile every variant of the role's forward now (module comment above): `run` on
+    `_warm_groups` under each grad mode; with grad, a backward too (its graph compiles
+    at the first backward), whose gradients are then dropped so the role starts as if
+    nothing ran. Returns the forwards run."""
     if not compiled:
         return 0
-    vocab = int(model.config.vocab_size)
+    groups = _warm_groups(int(model.config.vocab_size), budget)
     n = 0
     for grad in grads:
-        for rows in (1, 2):
-            for padded in (False, True):
-                with torch.set_grad_enabled(grad):
-                    out = run(_warm_group(rows, padded, vocab))
-                    if grad:
-                        out.float().sum().backward()
-                n += 1
+        for group in groups:
+            with torch.set_grad_enabled(grad):
+                out = run(group)
+                if grad:
+                    out.float().sum().backward()
+            n += 1
     for p in model.parameters():
         p.grad = None
     return n

@@ -114,7 +114,9 @@ class Reference(ShardedModelRole, RoleBase):
         compiled = compile_layers(
             self.opts.compile_layers, self.model, self.group is not None, options_path(ctx)
         )
-        warm_compiled(compiled, self.model, self._logprobs, (False,))
+        warm_compiled(
+            compiled, self.model, self._logprobs, (False,), self.opts.max_tokens_per_micro_batch
+        )
 
     def _logprobs(self, group: Batch) -> torch.Tensor:
         """Log-probs [b, R] of one forward's rows (padded or packed per the options)."""
