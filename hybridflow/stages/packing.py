@@ -319,15 +319,20 @@ def _warm_group(rows: int, padded: bool, vocab: int, length: int = 6) -> dict[st
     }
 
 
+_WARM_LENGTH = 64  # positions per row of the budget-sized warm group: aligned, and short
+
+
 def _warm_groups(vocab: int, budget: int) -> list[dict[str, torch.Tensor]]:
     """The groups `warm_compiled` runs: the four kinds of the module comment, tiny (an
-    unaligned length of 6), and with a token budget one group of two rows as large as
-    the budget (an aligned length): inductor's own guards on a size threshold or a
-    length's alignment then see both sides before the first step (module comment)."""
+    unaligned length of 6), and with a token budget one group as large as the budget, of
+    rows of an aligned length: inductor's own guards on a size threshold or a length's
+    alignment then see both sides before the first step (module comment). Its rows are
+    short (positions within any model's range, attention cheap even where the kernel
+    materialises scores) and many."""
     groups = [_warm_group(rows, padded, vocab) for rows in (1, 2) for padded in (False, True)]
-    length = budget // 2 // 8 * 8
-    if length > 6:
-        groups.append(_warm_group(2, True, vocab, length))
+    rows = budget // _WARM_LENGTH
+    if rows >= 2:
+        groups.append(_warm_group(rows, True, vocab, _WARM_LENGTH))
     return groups
 
 
