@@ -99,7 +99,6 @@ from hybridflow.stages.packing import (
     forward_groups,
     gather_rows,
     group_batch,
-    warm_compiled,
 )
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
@@ -213,15 +212,13 @@ class Actor(PolicySender, ShardedModelRole, RoleBase):
                 self.model.enable_input_require_grads()
         self.shard_if_asked(ctx, self.opts, trainable=True)
         check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
-        compiled = compile_layers(
-            self.opts.compile_layers, self.model, self.group is not None, options_path(ctx)
-        )
-        # update (grad) and the log-prob ops (no grad) each meet their own variants
-        warm_compiled(
-            compiled,
+        compile_layers(
+            self.opts.compile_layers,
             self.model,
+            self.group is not None,
+            options_path(ctx),
             lambda b: self._logprobs(b)[0],
-            (True, False),
+            (True, False),  # update (grad) and the log-prob ops (no grad)
             self.opts.max_tokens_per_micro_batch,
         )
         self.trainer = Trainer(

@@ -50,7 +50,6 @@ from hybridflow.stages.packing import (
     check_packing,
     compile_layers,
     forward_groups,
-    warm_compiled,
 )
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
@@ -89,15 +88,14 @@ class Critic(ShardedModelRole, RoleBase):
         self.add_adapters(ctx, self.opts, "value")  # LoRA: the value head still trains whole
         self.shard_if_asked(ctx, self.opts, trainable=True)
         check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
-        compiled = compile_layers(
-            self.opts.compile_layers, self.model, self.group is not None, options_path(ctx)
-        )
         packed = self.opts.pack_sequences
-        warm_compiled(
-            compiled,
+        compile_layers(
+            self.opts.compile_layers,
             self.model,
+            self.group is not None,
+            options_path(ctx),
             lambda b: response_values(self.model, b, self.device, packed=packed),
-            (True, False),
+            (True, False),  # update (grad) and the values op (no grad)
             self.opts.max_tokens_per_micro_batch,
         )
         self.trainer = Trainer(

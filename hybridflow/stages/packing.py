@@ -260,14 +260,15 @@ def scatter_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 # the rare ones (an unpadded group, a lone row) first appear steps into a run, each a
 # compile of tens of seconds mid-step. On an H200 that (most likely) made three compiled
 # steps of grpo-gpu-real slower than eager ones although one micro-batch ran 1.44x faster;
-# warmed, they are 1.14x faster end to end (bench/RESULTS.md). So `compile_layers` raises the limit and `warm_compiled` runs the
-# role's own forward on tiny synthetic groups of each variant at setup: the compiles are
-# paid before the first step, not inside the steps. Inductor adds guards of its own
-# that tiny groups cannot cover, a length's alignment or a fusion size threshold: on the
-# H200, with tiny groups only, three more graphs compiled in grpo-gpu-real's first step
-# (none after). So with a token budget one budget-sized group of an aligned length is
-# warmed too; on CPU that moved the C++ backend's size-guarded graph (B x T > 4096) from
-# the first step to setup. Not yet measured on a GPU.
+# warmed, they are 1.14x faster end to end (bench/RESULTS.md). So `compile_layers` raises
+# the limit and, given the role's forward, runs it at setup on tiny synthetic groups of
+# each variant: the compiles are paid before the first step, not inside the steps.
+# Inductor adds guards of its own that tiny groups cannot cover, a length's alignment or
+# a fusion size threshold: on the H200, with tiny groups only, three more graphs compiled
+# in grpo-gpu-real's first step (none after). So with a token budget one budget-sized
+# group of an aligned length is warmed too; on CPU that moved the C++ backend's
+# size-guarded graph (B x T > 4096) from the first step to setup. Not yet measured on a
+# GPU.
 
 RECOMPILE_LIMIT = 64  # per frame: ~4 shape variants x the grad/autocast modes of 3 roles
 
@@ -280,8 +281,18 @@ def decoder_layers(model: Any) -> list[Any] | None:
     return list(layers) if layers is not None else None
 
 
-def compile_layers(on: bool, model: Any, sharded: bool, path: str) -> int:
-    """Compile each decoder layer in place (module.compile) if `on`; returns how many."""
+def compile_layers(
+    on: bool,
+    model: Any,
+    sharded: bool,
+    path: str,
+    run: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None,  # a group's forward
+    grads: Sequence[bool] = (False,),  # the grad modes the role's ops run `run` in
+    budget: int = 0,  # the role's max_tokens_per_micro_batch (0: none)
+) -> int:
+    """Compile each decoder layer in place (module.compile) if `on`, then, given the
+    role's forward `run`, compile its every variant now (`_warm`); returns how many
+    layers."""
     if not on:
         return 0
     key = f"{path}.compile_layers" if path else "compile_layers"
@@ -296,6 +307,8 @@ def compile_layers(on: bool, model: Any, sharded: bool, path: str) -> int:
     cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     for layer in layers:
         layer.compile(dynamic=True)
+    if run is not None:
+        _warm(model, run, grads, budget)
     return len(layers)
 
 
@@ -323,7 +336,7 @@ _WARM_LENGTH = 64  # positions per row of the budget-sized warm group: aligned, 
 
 
 def _warm_groups(vocab: int, budget: int) -> list[dict[str, torch.Tensor]]:
-    """The groups `warm_compiled` runs: the four kinds of the module comment, tiny (an
+    """The groups the warm-up runs: the four kinds of the module comment, tiny (an
     unaligned length of 6), and with a token budget one group as large as the budget, of
     rows of an aligned length: inductor's own guards on a size threshold or a length's
     alignment then see both sides before the first step (module comment). Its rows are
@@ -336,28 +349,22 @@ def _warm_groups(vocab: int, budget: int) -> list[dict[str, torch.Tensor]]:
     return groups
 
 
-def warm_compiled(
-    compiled: int,  # compile_layers' return: 0 = nothing compiled, nothing to warm
+def _warm(
     model: Any,
-    run: Callable[[dict[str, torch.Tensor]], torch.Tensor],  # the role's forward of a group
-    grads: Sequence[bool],  # the grad modes the role's ops run `run` in
-    budget: int = 0,  # the role's max_tokens_per_micro_batch (0: none)
-) -> int:
+    run: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    grads: Sequence[bool],
+    budget: int,
+) -> None:
     """Compile every variant of the role's forward now (module comment above): `run` on
     `_warm_groups` under each grad mode; with grad, a backward too (its graph compiles
     at the first backward), whose gradients are then dropped so the role starts as if
-    nothing ran. Returns the forwards run."""
-    if not compiled:
-        return 0
+    nothing ran."""
     groups = _warm_groups(int(model.config.vocab_size), budget)
-    n = 0
     for grad in grads:
         for group in groups:
             with torch.set_grad_enabled(grad):
                 out = run(group)
                 if grad:
                     out.float().sum().backward()
-            n += 1
     for p in model.parameters():
         p.grad = None
-    return n

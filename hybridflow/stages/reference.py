@@ -48,7 +48,6 @@ from hybridflow.stages.packing import (
     check_packing,
     compile_layers,
     forward_groups,
-    warm_compiled,
 )
 from hybridflow.stages.parallel.options import ShardingOptions
 from hybridflow.stages.parallel.role import ShardedModelRole
@@ -111,11 +110,14 @@ class Reference(ShardedModelRole, RoleBase):
         # Sharded only with `fsdp: true` (frozen: its replicas may as well be full copies).
         self.shard_if_asked(ctx, self.opts, trainable=False)
         check_packing(self.opts, self.model, self.group is not None, options_path(ctx))
-        compiled = compile_layers(
-            self.opts.compile_layers, self.model, self.group is not None, options_path(ctx)
-        )
-        warm_compiled(
-            compiled, self.model, self._logprobs, (False,), self.opts.max_tokens_per_micro_batch
+        compile_layers(
+            self.opts.compile_layers,
+            self.model,
+            self.group is not None,
+            options_path(ctx),
+            self._logprobs,
+            (False,),
+            self.opts.max_tokens_per_micro_batch,
         )
 
     def _logprobs(self, group: Batch) -> torch.Tensor:

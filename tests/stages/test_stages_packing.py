@@ -292,9 +292,10 @@ def test_compiled_layers_give_the_eager_update(batch):
     (inductor's CPU backend here; CUDA's on the GPU). The reference and critic call the
     same function on the same layers; one compiled role keeps the suite's time down.
 
-    Setup warms every variant (warm_compiled): the budget's groups here include lone rows,
-    unpadded and padded ones, and the update and get_logprob that follow compile no new
-    graph; the warm-up's backward leaves no gradient behind (the grads equal eager's)."""
+    Setup warms every variant (compile_layers given the role's forward): the budget's
+    groups here include lone rows, unpadded and padded ones, and the update and
+    get_logprob that follow compile no new graph; the warm-up's backward leaves no
+    gradient behind (the grads equal eager's)."""
     from torch._dynamo.utils import counters
 
     budget = {"max_tokens_per_micro_batch": 40}
