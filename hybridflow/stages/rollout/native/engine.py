@@ -360,8 +360,8 @@ class NativeEngine:
     # -- the step's parts ----------------------------------------------------------------
     def _forward(self, b: int, n: int) -> None:
         c = self.cache
-        assert self.logits is not None and c.kv is not None
-        self.model.decode(c.tokens[:b], c.positions[:b], c.rows[:b], c.kv, n, self.logits[:b])
+        assert self.logits is not None and c.allocated
+        self.model.decode(c.tokens[:b], c.positions[:b], c.rows[:b], c, n, self.logits[:b])
 
     def _sample(self, b: int, truncate: bool) -> None:
         c = self.cache
@@ -385,9 +385,7 @@ class NativeEngine:
         slots = torch.tensor(adm.slots, dtype=torch.int64, device=dev)  # [R]
         group = torch.tensor(adm.group, dtype=torch.int64)  # [R]
         c.init_rows(slots, (lengths - 1)[group].to(dev), self._row_params(adm.rows))
-        logits = prompt_logits(
-            self.model, c.kv, prompts, adm.cached, adm.slots, adm.group, self.stats
-        )
+        logits = prompt_logits(self.model, c, prompts, adm.cached, adm.slots, adm.group, self.stats)
         for (rid, _), cached in zip(adm.prompts, adm.cached, strict=True):
             self._live[rid].reused += cached
         logits = logits[group.to(dev)]  # [R, V]

@@ -20,12 +20,25 @@ so a row's state lives entirely in its slot index.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 
 from hybridflow.errors import ConfigError
 
 ALIGN = 16
 GIB = float(1 << 30)
+
+
+@dataclass
+class DecodeMeta:
+    """Per decode step, shared by every layer's attention."""
+
+    n: int  # positions (length bucket) the dense layouts read
+    mask: torch.Tensor | None  # [B, 1, 1, n] additive (0 / -inf), for SDPA
+    lengths: torch.Tensor  # [B] int64 positions each row attends to (= its position + 1)
 
 
 def round_up(n: int, to: int = ALIGN) -> int:
@@ -56,17 +69,27 @@ class SlotCache:
         self.shape = (layers, 2, 0, kv_heads, self.max_len, head_dim)
         self.dtype, self.device, self.stop_width = dtype, device, stop_width
         self.slot_bytes = slot_bytes(layers, kv_heads, head_dim, max_len, dtype.itemsize)
+        self.num_slots = self._size(
+            budget_gb, max_slots, f"{path}.kv_cache_gb" if path else "kv_cache_gb"
+        )
+        self.kv: torch.Tensor | None = None
+
+    def _size(self, budget_gb: float, max_slots: int, key: str) -> int:
+        """Slots that fit the budget (whole slots of max_len positions each)."""
         fit = int(budget_gb * GIB) // self.slot_bytes
         if fit < 1:
-            key = f"{path}.kv_cache_gb" if path else "kv_cache_gb"
             raise ConfigError(
                 key,
                 f"{budget_gb} GiB holds no sequence: one slot of {self.max_len} positions "
                 f"(prompt + max_new_tokens) needs {self.slot_bytes / GIB:.3g} GiB; raise "
                 "kv_cache_gb or lower max_prompt_len / max_new_tokens",
             )
-        self.num_slots = min(max_slots, fit)
-        self.kv: torch.Tensor | None = None
+        return min(max_slots, fit)
+
+    def _make_kv(self) -> torch.Tensor:
+        shape = list(self.shape)
+        shape[2] = self.num_slots
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)  # [layers,2,S,Hkv,L,D]
 
     @property
     def allocated(self) -> bool:
@@ -80,12 +103,11 @@ class SlotCache:
         if self.kv is not None:
             return
         s, L, dev = self.num_slots, self.max_len, self.device
-        shape = list(self.shape)
-        shape[2] = s
-        self.kv = torch.zeros(shape, dtype=self.dtype, device=dev)  # [layers,2,S,Hkv,L,D]
+        self.kv = self._make_kv()
         i64 = dict(dtype=torch.int64, device=dev)
         f32 = dict(dtype=torch.float32, device=dev)
         self.rows = torch.arange(s, **i64)  # [S] static arange for index writes
+        self.cols = torch.arange(L, **i64)  # [L] positions (decode masks)
         self.tokens = torch.zeros(s, **i64)  # [S] the token each row feeds next
         self.positions = torch.zeros(s, **i64)  # [S] ... and its position
         self.gen_len = torch.zeros(s, **i64)  # [S] tokens generated so far
@@ -106,8 +128,9 @@ class SlotCache:
         for name in self._per_slot:
             setattr(self, name, None)
 
-    _per_slot = (  # every per-slot buffer but the KV cache; "rows" is a constant
+    _per_slot = (  # every per-slot buffer but the KV cache; "rows", "cols" are constants
         "rows",
+        "cols",
         "tokens",
         "positions",
         "gen_len",
@@ -137,11 +160,76 @@ class SlotCache:
         n = self.max_len if upto is None else max(1, min(int(upto), self.max_len))
         kv = self.kv.narrow(4, 0, n)  # [layers, 2, S, Hkv, n, D] view
         kv.index_copy_(2, d, kv.index_select(2, s))
-        for name in self._per_slot[1:]:
+        self._move_rows(s, d, n)
+
+    def _move_rows(self, s: torch.Tensor, d: torch.Tensor, n: int) -> None:
+        """The per-slot buffers' part of `move` (`n`: generated tokens worth copying)."""
+        for name in self._per_slot[2:]:
             t = getattr(self, name)
             if name in ("out_tok", "out_lp"):  # [S, L]: generated tokens < positions
                 t = t.narrow(1, 0, n)
             t.index_copy_(0, d, t.index_select(0, s))
+
+    # -- what the forward passes use (the paged layout overrides these) ----------------
+    def transfer(self, moves: list[tuple[int, int]]) -> None:
+        """Ownership of storage follows one move list (the paged layout's block lists);
+        a slot's K/V here is its own memory, copied by `move`."""
+
+    def collect(self, active: int, parked_from: int) -> None:
+        """Free the storage of slots neither running (< active) nor parked (>=
+        parked_from); nothing to do when a slot's memory is fixed."""
+
+    def address(
+        self, slots: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where position p of slot s lives: kv[layer, 0 or 1][a, :, b] (device tensors)."""
+        return slots, positions
+
+    def write(self, i: int, at: tuple[torch.Tensor, torch.Tensor], k: Any, v: Any) -> None:
+        """Layer i's K and V [N, Hkv, D] into the addresses `at` ([N] each)."""
+        assert self.kv is not None
+        self.kv[i, 0][at[0], :, at[1]] = k
+        self.kv[i, 1][at[0], :, at[1]] = v
+
+    def read(self, i: int, slots: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's K and V of `slots` [U] at positions < n -> [U, Hkv, n, D] each."""
+        assert self.kv is not None
+        return self.kv[i, 0][slots, :, :n], self.kv[i, 1][slots, :, :n]
+
+    def decode_meta(self, positions: torch.Tensor, n: int, dtype: torch.dtype) -> DecodeMeta:
+        """Once per decode step: what every layer's attention needs (row b sees
+        positions <= positions[b] of the first n)."""
+        keep = self.cols[None, :n] <= positions[:, None]  # [B, n]
+        mask = torch.zeros(positions.shape[0], 1, 1, n, dtype=dtype, device=self.device)
+        mask.masked_fill_(~keep[:, None, None, :], float("-inf"))
+        return DecodeMeta(n, mask, positions + 1)
+
+    def attend(self, i: int, q: torch.Tensor, meta: DecodeMeta, scale: float) -> torch.Tensor:
+        """Decode attention of rows 0..B-1: q [B, Hkv, G, D] (this step's K/V already
+        written) -> [B, Hkv, G, D]."""
+        assert self.kv is not None
+        b, n = q.shape[0], meta.n
+        return F.scaled_dot_product_attention(
+            q, self.kv[i, 0, :b, :, :n], self.kv[i, 1, :b, :, :n], attn_mask=meta.mask, scale=scale
+        )
+
+    def prompt_writes(
+        self,
+        slots: list[int],  # [R] the slot of each admitted row
+        group: list[int],  # [R] its prompt (0..U-1)
+        lengths: list[int],  # [U] prompt lengths
+        width: int,  # P: the right-padded prompt batch's width
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """A prefill's cache writes, for every layer: (src [N] rows of the [U*P] flattened
+        K/V, their addresses). Here every row writes all P positions of its prompt
+        (padding included: later decode writes overwrite it, the mask hides it)."""
+        g = torch.tensor(group, dtype=torch.int64)
+        pos = torch.arange(width)
+        src = (g[:, None] * width + pos[None, :]).flatten()
+        a = torch.tensor(slots, dtype=torch.int64)[:, None].expand(-1, width).flatten()
+        b = pos[None, :].expand(len(slots), -1).flatten()
+        dev = self.device
+        return src.to(dev), (a.to(dev), b.to(dev))
 
     def init_rows(
         self,

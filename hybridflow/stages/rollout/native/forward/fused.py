@@ -12,8 +12,9 @@ Here one layer's decode is:
   add_rms_norm   residual add + RMSNorm in one function (the first layer's has no add)
   qkv GEMM       q, k and v from one [Hq*D + 2*Hkv*D, H] weight (Qwen2's biases merged)
   qkv_rope       split, Qwen3's per-head q/k norms, RoPE on q and k, cast to the cache dtype
-  2 index writes K and V into each row's slot at its position
+  2 index writes K and V into each row's slot at its position (cache.write)
   attention      SDPA against an additive mask built once per step, not once per layer
+                 (cache.attend; the paged layout's runs its own kernel)
   o GEMM, add_rms_norm, gate_up GEMM ([2I, H]), silu_mul, down GEMM
 On CUDA, with `compile_decode`, the three elementwise functions go through torch.compile
 (inductor: one kernel each, precision casts emulated so values round as eager's do), and
@@ -215,7 +216,7 @@ class FusedDecode:
         tokens: torch.Tensor,  # [B] int64
         positions: torch.Tensor,  # [B] int64
         rows: torch.Tensor,  # [B] int64 = arange(B)
-        kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D]
+        cache: Any,  # kv_cache.SlotCache or paged.PagedCache
         n: int,  # attend to positions < n
         out: torch.Tensor | None = None,  # [B, V] float32 to write the logits into
     ) -> torch.Tensor:
@@ -224,10 +225,9 @@ class FusedDecode:
         m = self.model
         b = tokens.shape[0]
         cos, sin = m.cos[positions], m.sin[positions]  # [B, D]
-        # One additive mask per step (SDPA turned the boolean one into this per layer).
-        keep = m.cols[None, :n] <= positions[:, None]  # [B, n]
-        mask = torch.zeros(b, 1, 1, n, dtype=m.dtype, device=tokens.device)
-        mask.masked_fill_(~keep[:, None, None, :], float("-inf"))
+        # One additive mask (or paged lengths) per step, one address per row.
+        meta = cache.decode_meta(positions, n, m.dtype)
+        at = cache.address(rows, positions)
         with m._ctx():
             x = m.embed(tokens)  # [B, H] the residual stream
             delta: torch.Tensor | None = None
@@ -251,12 +251,8 @@ class FusedDecode:
                     m.head_dim,
                     m.dtype,
                 )
-                kc, vc = kv[i, 0, :b], kv[i, 1, :b]  # [B, Hkv, L, D] views of the cache
-                kc[rows, :, positions] = k
-                vc[rows, :, positions] = v
-                o = F.scaled_dot_product_attention(
-                    q, kc[:, :, :n], vc[:, :, :n], attn_mask=mask, scale=attn.scaling
-                )  # [B, Hkv, G, D]
+                cache.write(i, at, k, v)
+                o = cache.attend(i, q, meta, attn.scaling)  # [B, Hkv, G, D]
                 o = attn.o_proj(o.reshape(b, -1))
                 ln2 = layer.post_attention_layernorm
                 h, x = self._add_norm(x, o, ln2.weight, ln2.variance_epsilon)

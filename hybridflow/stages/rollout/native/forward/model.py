@@ -5,9 +5,10 @@ as its attention does), MLP, final norm, lm_head and the rotary embedding. Nothi
 translated or copied, so a weight written into the HF model (or aliased from the actor) is
 what the next step computes with; only attention-with-cache is written here.
 
-Consumes: token ids and positions; the KV cache `kv  # [layers, 2, slots, kv_heads, L, D]`.
-Produces: next-token logits, float32, one row per sequence, and writes each token's K/V
-into its slot at its position.
+Consumes: token ids and positions; the KV cache (kv_cache.SlotCache, or paged.PagedCache:
+the passes write and read K/V only through its `address` / `write` / `read` / `attend`,
+so one forward serves both layouts). Produces: next-token logits, float32, one row per
+sequence, and writes each token's K/V into its slot at its position.
 
   prefill  tokens [U, P] right-padded, lengths [U]; rows [R] read prompt group[r] and own
            slot slots[r] (n samples of one prompt share its prefill)      -> logits [U, V]
@@ -141,15 +142,14 @@ class NativeModel:
         self,
         tokens: torch.Tensor,  # [U, P] int64, right-padded
         lengths: torch.Tensor,  # [U] int64, >= 1
-        slots: torch.Tensor,  # [R] int64, the cache slot of each row
-        group: torch.Tensor,  # [R] int64, the prompt (0..U-1) of each row
-        kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D]
+        writes: tuple[torch.Tensor, Any],  # cache.prompt_writes: (src [N], addresses)
+        cache: Any,  # kv_cache.SlotCache or paged.PagedCache
     ) -> torch.Tensor:
-        """Run whole prompts, fill every row's slot at positions 0..P-1 -> logits [U, V]."""
+        """Run whole prompts, write their K/V where `writes` says (every row's slot at
+        positions 0..P-1) -> logits [U, V]."""
         u, p = tokens.shape
-        pos = self.cols[:p]
+        src, at = writes
         cos, sin = self.cos[:p][None, :, None, :], self.sin[:p][None, :, None, :]  # [1,P,1,D]
-        where = (slots[:, None], slice(None), pos[None, :])  # -> [R, P, Hkv, D] in a slot
         with self._ctx():
             x = self.embed(tokens)  # [U, P, H]
             for i, layer in enumerate(self.layers):
@@ -160,8 +160,9 @@ class NativeModel:
                 q, k = self._qk_norm(i, q, k)
                 q, k = rope(q, cos, sin), rope(k, cos, sin)
                 v = attn.v_proj(h).view(u, p, self.num_kv_heads, self.head_dim)
-                kv[i, 0][where] = k[group].to(self.dtype)
-                kv[i, 1][where] = v[group].to(self.dtype)
+                cache.write(
+                    i, at, k.flatten(0, 1)[src].to(self.dtype), v.flatten(0, 1)[src].to(self.dtype)
+                )
                 # Right padding: a real query (< length) sees only real keys under the
                 # causal mask; padded queries compute garbage nobody reads.
                 o = F.scaled_dot_product_attention(
@@ -183,7 +184,7 @@ class NativeModel:
         lengths: torch.Tensor,  # [U] int64 on the host, >= 1 new tokens per sequence
         starts: torch.Tensor,  # [U] int64 on the host, positions already in each slot (>= 1)
         slots: torch.Tensor,  # [U] int64 on the host, one slot per sequence
-        kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D]
+        cache: Any,  # kv_cache.SlotCache or paged.PagedCache
     ) -> torch.Tensor:
         """Prefill new tokens on top of a slot's cached positions -> logits [U, V] of each
         sequence's last new token. Only real tokens are written to the cache; a padded
@@ -205,6 +206,7 @@ class NativeModel:
         flat, wpos, wslot, last, safe, dslots = (
             t.to(dev, non_blocking=True) for t in (flat, wpos, wslot, last, safe, slots)
         )
+        at = cache.address(wslot, wpos)
         cos, sin = self.cos[safe][:, :, None, :], self.sin[safe][:, :, None, :]  # [U,A,1,D]
         # query j of sequence u sees cached position c iff c <= starts[u] + j
         mask = (self.cols[None, None, :n] <= safe[:, :, None])[:, None]  # [U, 1, A, n]
@@ -218,9 +220,13 @@ class NativeModel:
                 q, k = self._qk_norm(i, q, k)
                 q, k = rope(q, cos, sin), rope(k, cos, sin)
                 v = attn.v_proj(h).view(u, a, self.num_kv_heads, self.head_dim)
-                kv[i, 0][wslot, :, wpos] = k.flatten(0, 1)[flat].to(self.dtype)  # [N, Hkv, D]
-                kv[i, 1][wslot, :, wpos] = v.flatten(0, 1)[flat].to(self.dtype)
-                kc, vc = kv[i, 0][dslots, :, :n], kv[i, 1][dslots, :, :n]  # [U, Hkv, n, D]
+                cache.write(  # [N, Hkv, D] each
+                    i,
+                    at,
+                    k.flatten(0, 1)[flat].to(self.dtype),
+                    v.flatten(0, 1)[flat].to(self.dtype),
+                )
+                kc, vc = cache.read(i, dslots, n)  # [U, Hkv, n, D]
                 o = F.scaled_dot_product_attention(
                     q.transpose(1, 2).to(self.dtype),
                     kc,
@@ -238,7 +244,7 @@ class NativeModel:
         tokens: torch.Tensor,  # [B] int64
         positions: torch.Tensor,  # [B] int64, where each token sits (its K/V is written there)
         rows: torch.Tensor,  # [B] int64, = arange(B) (a static buffer: no arange per step)
-        kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D], S >= B; row b uses slot b
+        cache: Any,  # kv_cache.SlotCache or paged.PagedCache, >= B slots; row b uses slot b
         length: int | None = None,  # attend to positions < length (> every row's position)
         out: torch.Tensor | None = None,  # [B, V] float32: write the logits here
     ) -> torch.Tensor:
@@ -247,14 +253,15 @@ class NativeModel:
         all L: the caller guarantees every live row's position is below it (rows past it
         are only graph padding, whose output nobody reads)."""
         b = tokens.shape[0]
-        n = kv.shape[4] if length is None else min(length, kv.shape[4])
+        n = cache.max_len if length is None else min(length, cache.max_len)
         if self.fused is not None:
-            return self.fused.decode(tokens, positions, rows, kv, n, out)
+            return self.fused.decode(tokens, positions, rows, cache, n, out)
         cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
         cq, sq = cos[:, None, None, :], sin[:, None, None, :]
         ck, sk = cos[:, None, :], sin[:, None, :]
         # Each row attends to its own slot up to and including its position.
-        mask = (self.cols[None, :n] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, n]
+        meta = cache.decode_meta(positions, n, self.dtype)
+        at = cache.address(rows, positions)
         with self._ctx():
             x = self.embed(tokens)  # [B, H]
             for i, layer in enumerate(self.layers):
@@ -266,12 +273,8 @@ class NativeModel:
                 v = attn.v_proj(h).view(b, self.num_kv_heads, self.head_dim)
                 q, k = self._qk_norm(i, q, k)
                 q, k = rope(q, cq, sq), rope(k, ck, sk)
-                kc, vc = kv[i, 0, :b], kv[i, 1, :b]  # [B, Hkv, L, D] views of the cache
-                kc[rows, :, positions] = k.to(self.dtype)
-                vc[rows, :, positions] = v.to(self.dtype)
-                o = F.scaled_dot_product_attention(
-                    q.to(self.dtype), kc[:, :, :n], vc[:, :, :n], attn_mask=mask, scale=attn.scaling
-                )  # [B, Hkv, G, D]
+                cache.write(i, at, k.to(self.dtype), v.to(self.dtype))
+                o = cache.attend(i, q.to(self.dtype), meta, attn.scaling)  # [B, Hkv, G, D]
                 x = x + attn.o_proj(o.reshape(b, -1))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             logits = self.lm_head(self.norm(x)).float()
@@ -288,7 +291,7 @@ class NativeModel:
 
 def prompt_logits(
     model: NativeModel,
-    kv: torch.Tensor,  # [layers, 2, S, Hkv, L, D]
+    cache: Any,  # kv_cache.SlotCache or paged.PagedCache
     prompts: list[torch.Tensor],  # U unique prompts, each [P_u] int64
     cached: list[int],  # [U] positions each one's slot already holds (0: fresh)
     row_slots: list[int],  # [R] the slot of each admitted row
@@ -308,13 +311,13 @@ def prompt_logits(
         tokens = torch.zeros(len(fresh), width, dtype=torch.int64)  # [Uf, P] right-padded
         for j, u in enumerate(fresh):
             tokens[j, : prompts[u].numel()] = prompts[u]
-        out[fresh] = model.prefill(
-            tokens.to(dev),
-            lengths[fresh].to(dev),
-            torch.tensor([row_slots[r] for r in rows], dtype=torch.int64, device=dev),
-            torch.tensor([at[row_group[r]] for r in rows], dtype=torch.int64, device=dev),
-            kv,
+        writes = cache.prompt_writes(
+            [row_slots[r] for r in rows],
+            [at[row_group[r]] for r in rows],
+            [prompts[u].numel() for u in fresh],
+            width,
         )
+        out[fresh] = model.prefill(tokens.to(dev), lengths[fresh].to(dev), writes, cache)
         stats["prefill_tokens"] += int(lengths[fresh].sum())
     if cont:  # a session's prompt has one row, in the slot its K/V was moved to
         slot_of = {g: row_slots[r] for r, g in enumerate(row_group)}
@@ -328,7 +331,7 @@ def prompt_logits(
             counts,
             torch.tensor([cached[u] for u in cont], dtype=torch.int64),
             torch.tensor([slot_of[u] for u in cont], dtype=torch.int64),
-            kv,
+            cache,
         )
         stats["prefill_tokens"] += int(counts.sum())
         stats["reused_tokens"] += sum(cached[u] for u in cont)
