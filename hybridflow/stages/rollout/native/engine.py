@@ -36,11 +36,12 @@ import itertools
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
-from hybridflow.errors import BatchError, ConfigError
+from hybridflow.errors import BatchError
 from hybridflow.stages.rollout.native.forward.model import NativeModel, prompt_logits
 from hybridflow.stages.rollout.native.graphs import (
     DecodeGraphs,
@@ -49,33 +50,19 @@ from hybridflow.stages.rollout.native.graphs import (
     pick,
 )
 from hybridflow.stages.rollout.native.kv_cache import SlotCache, round_up
-from hybridflow.stages.rollout.native.request import Request, RequestOutput
-from hybridflow.stages.rollout.native.sampler import row_uniform, sample, split_seed
-from hybridflow.stages.rollout.native.scheduler import Moves, Scheduler
+from hybridflow.stages.rollout.native.paged import PagedCache
+from hybridflow.stages.rollout.native.request import (
+    EngineConfig,
+    Request,
+    RequestOutput,
+    check_config,
+    check_request,
+    row_params,
+)
+from hybridflow.stages.rollout.native.sampler import row_uniform, sample
+from hybridflow.stages.rollout.native.scheduler import Admission, Blocks, Moves, RowRef, Scheduler
 
 log = logging.getLogger("hybridflow.rollout.native")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_model_len: int  # prompt + new tokens of one sequence (a slot's length)
-    kv_cache_gb: float = 4.0  # budget for the KV cache; slots = budget // slot bytes
-    max_num_seqs: int = 256  # most sequences decoded together (slots are capped by this)
-    cuda_graphs: bool = True  # capture decode steps on CUDA (ignored on CPU)
-    graph_batch_sizes: tuple[int, ...] = ()  # buckets; () = graphs.default_buckets
-    # attention lengths decode steps run at; () = graphs.default_lengths (64, 128, ...);
-    # one length >= the slot's turns length buckets off (every step reads whole slots)
-    decode_lengths: tuple[int, ...] = ()
-    # unique prompts x longest prompt per prefill batch (role.py says why 16384)
-    max_prefill_tokens: int = 16384
-    max_stop_ids: int = 8  # stop ids per request (a static buffer width)
-    autocast_bf16: bool = False  # run the float32 model under bf16 autocast
-    keep_sessions: bool = True  # park a session's K/V between its requests (False: re-prefill)
-    # decode in few kernels: merged q/k/v and gate/up weights, one mask per step (fused.py);
-    # a model it cannot take (another activation, LoRA-wrapped projections) keeps the
-    # module path
-    fused_decode: bool = True
-    compile_decode: bool = True  # and its elementwise parts through torch.compile (CUDA)
 
 
 @dataclass
@@ -106,7 +93,9 @@ class NativeEngine:
         if compiled:
             self._uniform = torch.compile(row_uniform, dynamic=True, fullgraph=True)
         self.compile_error: str | None = None  # why a compile_decode fell back to eager
-        self.cache = SlotCache(
+        block = config.kv_block_size
+        layout: Any = partial(PagedCache, block_size=block) if block else SlotCache
+        self.cache = layout(
             layers=len(self.model.layers),
             kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
@@ -118,6 +107,7 @@ class NativeEngine:
             stop_width=config.max_stop_ids,
             path=path,
         )
+        self.paged: PagedCache | None = self.cache if block else None
         self.num_slots = self.cache.num_slots
         self.scheduler = Scheduler(self.num_slots)
         slot_len = self.cache.max_len
@@ -126,6 +116,8 @@ class NativeEngine:
             if config.decode_lengths
             else default_lengths(slot_len)
         )
+        if self.paged is not None and self.paged.kernel:
+            self.lengths = [slot_len]  # the kernel reads each row's live blocks only
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
             buckets = [b for b in config.graph_batch_sizes if b <= self.num_slots]
@@ -137,6 +129,8 @@ class NativeEngine:
                 self.device,
             )
         self._live: dict[int, _Live] = {}
+        # preempted rows (paged KV ran out of blocks) -> the tokens and log-probs they had
+        self._resumed: dict[RowRef, tuple[torch.Tensor, torch.Tensor]] = {}
         self.sessions: dict[Hashable, torch.Tensor] = {}  # parked: the ids its K/V holds
         self._ids = itertools.count()
         self._truncating = 0  # live rows that need the top-k/top-p sampling path
@@ -153,7 +147,8 @@ class NativeEngine:
             "attended_positions": 0,  # sum over steps of rows x length bucket read
             "prefill_tokens": 0,  # prompt positions computed by prefills
             "reused_tokens": 0,  # prompt positions a session's parked K/V already held
-            "session_evictions": 0,  # parked sessions dropped for want of a slot
+            "session_evictions": 0,  # parked sessions dropped for want of a slot (or block)
+            "preemptions": 0,  # rows sent back to the queue for want of a KV block (paged)
             "busy_s": 0.0,  # seconds inside step() (AsyncEngine counts them)
         }
         self.allocate()
@@ -234,6 +229,9 @@ class NativeEngine:
     def abort_all(self) -> list[int]:
         """Drop every request (after a failed step); returns their ids."""
         ids = self.scheduler.abort_all()
+        self.cache.collect(0, self.num_slots)
+        self.cache.sync()
+        self._resumed.clear()
         self._high = 0
         self._live.clear()
         self.sessions.clear()
@@ -259,11 +257,15 @@ class NativeEngine:
         origin: dict[int, int] = {}  # dst slot -> the slot its content comes from, at first
         for group in moves:
             origin.update({dst: origin.get(src, src) for src, dst in group})
+            self.cache.transfer(group)  # paged: block ownership, one list after another
         pairs = [(src, dst) for dst, src in origin.items() if src != dst]
         if pairs:
             src, dst = zip(*pairs, strict=True)
             self.cache.move(list(src), list(dst), upto=self._high)
-        if not (self.scheduler.active or self.scheduler.parked):
+        sch = self.scheduler
+        self.cache.collect(sch.active, sch.num_slots - len(sch.parked))
+        self.cache.sync()
+        if not (sch.active or sch.parked):
             self._high = 0
 
     def _check_session(self, request: Request, where: str) -> None:
@@ -284,6 +286,10 @@ class NativeEngine:
             "kv_slots": float(self.num_slots),
             "slot_len": float(self.cache.max_len),
         }
+        if self.paged is not None:
+            out["kv_blocks"] = float(self.paged.num_blocks - 1)
+            out["kv_block_size"] = float(self.paged.block)
+            out["kv_blocks_peak"] = float(self.paged.peak_blocks)
         if self.device.type == "cuda":
             out["peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
             out["peak_reserved_bytes"] = float(torch.cuda.max_memory_reserved(self.device))
@@ -294,35 +300,8 @@ class NativeEngine:
         where = "native engine add_request"
         if not self.cache.allocated:
             raise BatchError(f"{where}: the engine is asleep (KV cache released); wake it up")
+        check_request(request, self.config, self.model.vocab, where)
         p = request.params
-        p.check(where)
-        if len(p.stop_token_ids) > self.config.max_stop_ids:
-            raise BatchError(
-                f"{where}: {len(p.stop_token_ids)} stop ids > max_stop_ids "
-                f"{self.config.max_stop_ids}"
-            )
-        if not request.prompts:
-            raise BatchError(f"{where}: no prompts")
-        caps = request.max_new_tokens
-        if caps is not None and (
-            len(caps) != request.rows or any(not 1 <= c <= p.max_new_tokens for c in caps)
-        ):
-            raise BatchError(
-                f"{where}: max_new_tokens must hold one cap per row ({request.rows}), each "
-                f"in 1..{p.max_new_tokens}"
-            )
-        limit = self.config.max_model_len - p.max_new_tokens
-        for i, ids in enumerate(request.prompts):
-            if ids.dim() != 1 or ids.numel() < 1:
-                raise BatchError(f"{where}: prompt {i} must be a non-empty 1-D id tensor")
-            if ids.numel() > limit:
-                raise BatchError(
-                    f"{where}: prompt {i} has {ids.numel()} tokens; with max_new_tokens "
-                    f"{p.max_new_tokens} a slot of {self.config.max_model_len} positions "
-                    f"takes prompts of at most {limit} (raise max_prompt_len)"
-                )
-            if int(ids.min()) < 0 or int(ids.max()) >= self.model.vocab:
-                raise BatchError(f"{where}: prompt {i} has ids outside [0, {self.model.vocab})")
         session = request.session if self.config.keep_sessions else None
         if session is not None:
             self._check_session(request, where)
@@ -336,6 +315,8 @@ class NativeEngine:
         outputs: list[RequestOutput] = []
         if self.scheduler.pending and (self.scheduler.free or self.scheduler.parked):
             outputs += self._prefill()
+        if self.paged is not None and self.scheduler.active:
+            self._grow(self.paged)
         b = self.scheduler.active
         if b == 0:
             return outputs
@@ -371,7 +352,11 @@ class NativeEngine:
         c.record(c.rows[:b], tok, lp)
 
     def _prefill(self) -> list[RequestOutput]:
-        adm = self.scheduler.admit(self.config.max_prefill_tokens, self._tick)
+        paged = self.paged
+        blocks = None
+        if paged is not None:  # watermark: 1% of the pool, as vLLM's
+            blocks = Blocks(len(paged.free_blocks), paged.block, max(1, paged.num_blocks // 100))
+        adm = self.scheduler.admit(self.config.max_prefill_tokens, self._tick, blocks)
         self._apply(adm.moves)  # evictions and parked K/V into running slots, in order
         for key in adm.evicted:
             del self.sessions[key]
@@ -379,12 +364,24 @@ class NativeEngine:
         if not adm.rows:
             return []
         c, dev = self.cache, self.device
-        prompts = [self._live[rid].request.prompts[p] for rid, p in adm.prompts]
+        pairs = zip(adm.prompts, adm.resumed, strict=True)
+        prompts = [self._prompt(rid, p, ref) for (rid, p), ref in pairs]
         lengths = torch.tensor([x.numel() for x in prompts], dtype=torch.int64)  # [U]
         self._high = max(self._high, int(lengths.max()))
+        if paged is not None:
+            paged.place(adm.slots, adm.group, lengths.tolist())
+            paged.sync()
         slots = torch.tensor(adm.slots, dtype=torch.int64, device=dev)  # [R]
         group = torch.tensor(adm.group, dtype=torch.int64)  # [R]
-        c.init_rows(slots, (lengths - 1)[group].to(dev), self._row_params(adm.rows))
+        c.init_rows(
+            slots,
+            (lengths - 1)[group].to(dev),
+            row_params(
+                [(self._live[r.request_id].request, r.row) for r in adm.rows],
+                self.config.max_stop_ids,
+            ),
+        )
+        self._restore(adm)
         logits = prompt_logits(self.model, c, prompts, adm.cached, adm.slots, adm.group, self.stats)
         for (rid, _), cached in zip(adm.prompts, adm.cached, strict=True):
             self._live[rid].reused += cached
@@ -402,27 +399,59 @@ class NativeEngine:
             return self._retire([adm.slots[i] for i in done.nonzero().flatten().tolist()])
         return []
 
-    def _row_params(self, rows: list[Any]) -> dict[str, torch.Tensor]:
-        cols: dict[str, list[Any]] = {k: [] for k in ("max_new", "temperature", "top_k", "top_p")}
-        cols.update(seed_lo=[], seed_hi=[], row=[], stop=[])
-        w = self.config.max_stop_ids
-        for ref in rows:
-            req = self._live[ref.request_id].request
-            p = req.params
-            caps = req.max_new_tokens
-            cols["max_new"].append(caps[ref.row] if caps is not None else p.max_new_tokens)
-            cols["temperature"].append(p.temperature)
-            cols["top_k"].append(p.top_k)
-            cols["top_p"].append(p.top_p)
-            lo, hi = split_seed(req.seed)
-            cols["seed_lo"].append(lo)
-            cols["seed_hi"].append(hi)
-            cols["row"].append(ref.row)
-            cols["stop"].append(list(p.stop_token_ids) + [-1] * (w - len(p.stop_token_ids)))
-        out = {k: torch.tensor(v, dtype=torch.int64) for k, v in cols.items()}
-        out["temperature"] = torch.tensor(cols["temperature"], dtype=torch.float32)
-        out["top_p"] = torch.tensor(cols["top_p"], dtype=torch.float32)
-        return out
+    # -- paged KV: growth, preemption and the rows that come back -----------------------
+    def _grow(self, paged: PagedCache) -> None:
+        """Blocks for this decode step's writes (row s writes at offsets[s] + tick). Short
+        of blocks: evict parked sessions (least recent first), then preempt running rows
+        from the top slot down (the top rows need no move to keep the batch dense)."""
+        sch = self.scheduler
+        need = [off + self._tick + 1 for off in sch.offsets]
+        short = paged.grow(list(range(sch.active)), need)
+        while short:
+            victim = sch.least_recent()
+            if victim is not None:
+                self.drop_sessions([victim])
+                self.stats["session_evictions"] += 1
+            else:
+                self._preempt([sch.active - 1])
+            short = [s for s in short if s < sch.active]
+            short = paged.grow(short, [need[s] for s in short])
+        paged.sync()
+
+    def _preempt(self, slots: list[int]) -> None:
+        """Send running rows back to the queue, keeping what they generated: they come
+        back as prompt + those tokens (`_prompt`), their seeds' streams continue (the
+        uniforms depend on the token index), and the blocks go now."""
+        c, sch = self.cache, self.scheduler
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        gen = c.gen_len[idx].cpu()
+        width = max(1, int(gen.max()))
+        tokens, logprobs = c.out_tok[idx, :width].cpu(), c.out_lp[idx, :width].cpu()
+        for i, s in enumerate(slots):
+            ref, g = sch.slots[s], int(gen[i])
+            self._resumed[ref] = (tokens[i, :g], logprobs[i, :g])
+            self._truncating -= self._live[ref.request_id].request.params.truncates
+        self._apply([sch.preempt({s: int(gen[i]) for i, s in enumerate(slots)})])
+        self.stats["preemptions"] += len(slots)
+
+    def _prompt(self, rid: int, p: int, resumed: RowRef | None) -> torch.Tensor:
+        prompt = self._live[rid].request.prompts[p]
+        if resumed is None:
+            return prompt
+        return torch.cat([prompt, self._resumed[resumed][0].to(prompt.device)])
+
+    def _restore(self, adm: Admission) -> None:
+        """A preempted row's generated tokens back into its slot's buffers."""
+        c = self.cache
+        for slot, g in zip(adm.slots, adm.group, strict=True):
+            ref = adm.resumed[g]
+            if ref is None:
+                continue
+            tokens, logprobs = self._resumed.pop(ref)
+            n = tokens.numel()
+            c.gen_len[slot] = n
+            c.out_tok[slot, :n] = tokens.to(self.device)
+            c.out_lp[slot, :n] = logprobs.to(self.device)
 
     def _retire(self, slots: list[int]) -> list[RequestOutput]:
         c = self.cache
@@ -450,36 +479,8 @@ class NativeEngine:
         if fin.parked:  # graph padding rows write at their slot's position: a scratch one
             at = torch.tensor([s for _, s in fin.parked], dtype=torch.int64, device=self.device)
             c.positions[at] = c.max_len - 1
-        return [self._output(rid) for rid in fin.completed]
-
-    def _output(self, rid: int) -> RequestOutput:
-        live = self._live.pop(rid)
-        toks = [t for t in live.tokens if t is not None]
-        lps = [t for t in live.logprobs if t is not None]
-        assert len(toks) == len(live.tokens)
-        lengths = torch.tensor([t.numel() for t in toks], dtype=torch.int64)  # [R]
-        width = int(lengths.max())
-        tokens = torch.zeros(len(toks), width, dtype=torch.int64)  # [R, T]
-        logprobs = torch.zeros(len(toks), width, dtype=torch.float32)
-        for i, (t, lp) in enumerate(zip(toks, lps, strict=True)):
-            tokens[i, : t.numel()] = t
-            logprobs[i, : lp.numel()] = lp
-        return RequestOutput(rid, tokens, logprobs, lengths, live.reused)
-
-
-def check_config(config: EngineConfig, path: str) -> None:
-    """ConfigError naming the option for values the engine cannot run with."""
-
-    def bad(key: str, msg: str) -> ConfigError:
-        return ConfigError(f"{path}.{key}" if path else key, msg)
-
-    if config.kv_cache_gb <= 0:
-        raise bad("kv_cache_gb", f"must be > 0, got {config.kv_cache_gb}")
-    if config.max_num_seqs < 1:
-        raise bad("max_num_seqs", f"must be >= 1, got {config.max_num_seqs}")
-    if any(b < 1 for b in config.graph_batch_sizes):
-        raise bad("graph_batch_sizes", f"must be >= 1, got {list(config.graph_batch_sizes)}")
-    if any(n < 1 for n in config.decode_lengths):
-        raise bad("decode_lengths", f"must be >= 1, got {list(config.decode_lengths)}")
-    if config.max_prefill_tokens < 1:
-        raise bad("max_prefill_tokens", f"must be >= 1, got {config.max_prefill_tokens}")
+        done = [self._live.pop(rid) for rid in fin.completed]
+        return [
+            RequestOutput.of(rid, x.tokens, x.logprobs, x.reused)
+            for rid, x in zip(fin.completed, done, strict=True)
+        ]

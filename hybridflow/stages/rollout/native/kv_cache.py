@@ -179,6 +179,9 @@ class SlotCache:
         """Free the storage of slots neither running (< active) nor parked (>=
         parked_from); nothing to do when a slot's memory is fixed."""
 
+    def sync(self) -> None:
+        """Make the device see the storage changes so far (the paged block table)."""
+
     def address(
         self, slots: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

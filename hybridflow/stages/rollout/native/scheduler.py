@@ -17,6 +17,12 @@ when none is free evicts the least recently parked session (its next request the
 prefills in full). Slot moves are applied with gather-then-scatter semantics (every move
 of one list reads the state before any of them writes: SlotCache.move).
 
+Paged KV (`Blocks`): admission also needs the blocks a row's prompt takes (the n rows of a
+prompt share its full blocks) and leaves a watermark free, evicting parked
+sessions for blocks as for slots; when a decode step's growth finds no block, the engine
+`preempt`s rows: they go back to the head of the queue and are admitted again as their
+prompt + what they had generated (recomputed; their seeds' streams continue unchanged).
+
 Invariants (tests replay random finish orders against them):
   - the running rows occupy slots 0 .. active-1, no holes: a decode step reads the first
     `active` slots of every per-slot buffer as plain views (no gather of the KV cache);
@@ -52,6 +58,22 @@ class RowRef:
 
 
 @dataclass
+class Blocks:
+    """The paged layout's admission budget (paged.PagedCache): `free` blocks of `size`
+    positions. A row is admitted only if its blocks fit and leave `reserve` free (a
+    watermark, as vLLM's 1%: rows admitted together grow together, and a row admitted
+    only to be preempted at its first step costs a prefill for nothing), or if it is the
+    only row."""
+
+    free: int
+    size: int
+    reserve: int = 1
+
+    def of(self, positions: int) -> int:
+        return -(-positions // self.size)
+
+
+@dataclass
 class Admission:
     rows: list[RowRef] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # slots[i] holds rows[i]
@@ -59,6 +81,8 @@ class Admission:
     group: list[int] = field(default_factory=list)  # rows[i] reads prompts[group[i]]
     width: int = 0  # most positions any of `prompts` prefills (prompt - cached)
     cached: list[int] = field(default_factory=list)  # per prompt: positions already in its slot
+    # per prompt: the preempted row whose generated tokens extend it (None: a plain prompt)
+    resumed: list[RowRef | None] = field(default_factory=list)
     moves: list[Moves] = field(default_factory=list)  # apply in order, before the prefill
     evicted: list[Hashable] = field(default_factory=list)  # sessions whose K/V is gone
 
@@ -85,6 +109,7 @@ class Scheduler:
         self._valid: OrderedDict[Hashable, int] = OrderedDict()  # parked, least recent first
         self._session: dict[int, Hashable] = {}  # request id -> its session
         self._running: set[Hashable] = set()  # sessions with a request added, not finished
+        self._resume: dict[RowRef, int] = {}  # preempted rows -> tokens they had generated
 
     @property
     def active(self) -> int:
@@ -100,6 +125,10 @@ class Scheduler:
     def cached(self, session: Hashable) -> int:
         """Positions of `session`'s K/V held in its parked slot (0: none)."""
         return self._valid.get(session, 0)
+
+    def least_recent(self) -> Hashable:
+        """The parked session to evict first (None: none parked)."""
+        return next(iter(self._valid), None)
 
     def has_work(self) -> bool:
         return bool(self.slots or self.pending)
@@ -127,44 +156,69 @@ class Scheduler:
                 self.pending.append(RowRef(request_id, p * n + j, p))
         self._left[request_id] = len(prompt_lens) * n
 
-    def admit(self, max_prefill_tokens: int, tick: int = 0) -> Admission:
-        """Move pending rows into free slots (FIFO) within the prefill budget; `tick` is
-        the number of the decode step that follows this prefill. A continued session
-        takes its parked slot's place (no free slot needed); any other row evicts the
-        least recently parked session when no slot is free."""
+    def admit(
+        self, max_prefill_tokens: int, tick: int = 0, blocks: Blocks | None = None
+    ) -> Admission:
+        """Move pending rows into free slots (FIFO) within the prefill budget (and the
+        paged layout's `blocks`); `tick` is the number of the decode step that follows
+        this prefill. A continued session takes its parked slot's place (no free slot
+        needed); any other row evicts the least recently parked session when no slot (or
+        block) is free. A preempted row comes back as a prompt of its own: the request's
+        prompt and the tokens it had generated."""
         adm = Admission()
-        index: dict[tuple[int, int], int] = {}
+        index: dict[tuple[int, ...], int] = {}
         while self.pending:
             ref = self.pending[0]
-            key = (ref.request_id, ref.prompt)
+            extra = self._resume.get(ref, 0)
+            key = (ref.request_id, ref.prompt, ref.row) if extra else (ref.request_id, ref.prompt)
+            length = self._prompt_len[key[:2]] + extra
             session = self._session.get(ref.request_id)
             cont = session is not None and session in self._valid
-            if not cont and self.free == 0:
-                if not self.parked:
+            cost = self._cost(blocks, key in index, length, session if cont else None)
+            room = blocks is None or blocks.free - cost >= (blocks.reserve if self.slots else 0)
+            if (not cont and self.free == 0) or not room:
+                victim = next((s for s in self._valid if s != session), None)
+                if victim is None:
                     break
-                victim = next(iter(self._valid))
+                if blocks is not None:
+                    blocks.free += blocks.of(self._valid[victim])
                 adm.moves.append(self._unpark(victim))
                 adm.evicted.append(victim)
                 continue
             if key not in index:
-                length = self._prompt_len[key]
                 cached = min(self._valid[session], length - 1) if cont else 0
                 width = max(adm.width, length - cached)
                 if adm.prompts and (len(adm.prompts) + 1) * width > max_prefill_tokens:
                     break
                 index[key] = len(adm.prompts)
-                adm.prompts.append(key)
+                adm.prompts.append((ref.request_id, ref.prompt))
                 adm.cached.append(cached)
+                adm.resumed.append(ref if extra else None)
                 adm.width = width
+            if blocks is not None:
+                blocks.free -= cost
             self.pending.popleft()
+            self._resume.pop(ref, None)
             if cont:  # its K/V moves from the parking into the next running slot
                 adm.moves.append(self._unpark(session, to=len(self.slots)))
             adm.rows.append(ref)
             adm.group.append(index[key])
             adm.slots.append(len(self.slots))
             self.slots.append(ref)
-            self.offsets.append(self._prompt_len[key] - tick)
+            self.offsets.append(length - tick)
         return adm
+
+    def _cost(self, blocks: Blocks | None, shared: bool, length: int, parked: Hashable) -> int:
+        """Blocks a row's admission takes: all of its prompt's (the first row of a
+        prompt), its tail block only (a later row: the full ones are shared), or what a
+        continued session adds to the blocks it holds."""
+        if blocks is None:
+            return 0
+        if parked is not None:
+            return blocks.of(length) - blocks.of(self._valid[parked])
+        if shared:
+            return int(length % blocks.size > 0)
+        return blocks.of(length)
 
     def _unpark(self, session: Hashable, to: int | None = None) -> Moves:
         """Take `session` out of the parking (the bottom parked slot fills its place);
@@ -232,6 +286,30 @@ class Scheduler:
                 del self._prompt_len[key]
         return out
 
+    def preempt(self, generated: Mapping[int, int]) -> Moves:
+        """Put the running rows of `generated`'s slots ({slot: tokens it has generated})
+        back at the head of the queue, in FIFO order, to be admitted again as their
+        prompt + those tokens (the paged layout ran out of blocks) -> the moves that keep
+        the running rows dense. Their requests stay in flight."""
+        slots = sorted(generated)
+        if any(not 0 <= s < self.active for s in slots) or len(set(slots)) != len(generated):
+            raise ValueError(f"bad preempted slots {slots} (active {self.active})")
+        refs = [self.slots[s] for s in slots]
+        top = self.active - len(slots)
+        holes = [s for s in slots if s < top]
+        movers = [s for s in range(top, self.active) if s not in generated]
+        moves = list(zip(movers, holes, strict=True))
+        for src, dst in moves:
+            self.slots[dst] = self.slots[src]
+            self.offsets[dst] = self.offsets[src]
+        del self.slots[top:]
+        del self.offsets[top:]
+        for s, ref in zip(slots, refs, strict=True):
+            self._resume[ref] = int(generated[s])
+        for ref in sorted(refs, key=lambda r: (r.request_id, r.row), reverse=True):
+            self.pending.appendleft(ref)
+        return moves
+
     def abort_all(self) -> list[int]:
         """Forget every request and parked session (after a failed step, or before the
         weights change: cached K/V is the old policy's); returns the request ids."""
@@ -245,4 +323,5 @@ class Scheduler:
         self._valid.clear()
         self._session.clear()
         self._running.clear()
+        self._resume.clear()
         return ids
