@@ -90,6 +90,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="attention length buckets, comma-separated (default 64,128,...; a value >= "
         "prompt + new tokens: whole slots)",
     )
+    p.add_argument(
+        "--kv-block-size", type=int, default=0, help="paged KV in blocks of this size (0: slots)"
+    )
     return p.parse_args(argv)
 
 
@@ -243,6 +246,7 @@ def _measure(
         "setup_s": round(setup_s, 3),  # engine build + capture (compiling, if compiled)
         "kv_cache_gb": round(engine.cache.nbytes / GIB, 4),
         "decode_lengths": engine.lengths,
+        "kv_block_size": engine.paged.block if engine.paged is not None else 0,
     }
     if device.type == "cuda":
         result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 3)
@@ -267,6 +271,7 @@ def _engine_config(
         decode_lengths=tuple(
             int(x) for x in str(getattr(args, "decode_lengths", "") or "").split(",") if x
         ),
+        kv_block_size=int(getattr(args, "kv_block_size", 0) or 0),
     )
 
 

@@ -137,3 +137,27 @@ def test_compiled_fused_decode_in_graphs_equals_the_module_path(tokenizer: Any) 
                 assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
         else:
             assert same >= len(reqs) - 1
+
+
+def test_paged_graph_decode_equals_slot_graph_decode(cuda_model: Any) -> None:
+    """The Triton paged kernel inside the CUDA graphs gives the slot layout's tokens,
+    also with too few blocks (rows preempted and recomputed)."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, n=3)
+    reqs = [
+        Request([p.cuda() for p in prompts(4, seed=k, lo=3, hi=30)], params, seed=k) for k in (1, 2)
+    ]
+    slot = run_all(engine(cuda_model, max_num_seqs=32, graph_batch_sizes=(8, 16)), reqs)
+    for budget in (0.05, None):
+        kw: dict[str, Any] = {"kv_block_size": 16, "max_num_seqs": 32, "graph_batch_sizes": (8, 16)}
+        if budget is None:  # 10 blocks for 24 rows of up to 70 positions
+            probe = engine(cuda_model, **kw)
+            assert probe.paged is not None and probe.paged.kernel
+            kw["kv_cache_gb"] = (10 * probe.paged.block_bytes + 1) / float(1 << 30)
+        eng = engine(cuda_model, **kw)
+        assert eng.graphs is not None and eng.lengths == [eng.cache.max_len]
+        out = run_all(eng, reqs)
+        if budget is None:
+            assert eng.stats["preemptions"] > 0
+        for a, b in zip(slot, out, strict=True):
+            assert torch.equal(a.tokens, b.tokens)
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)

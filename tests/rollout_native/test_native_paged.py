@@ -205,3 +205,21 @@ def test_bad_block_settings_name_the_option(qwen: Any) -> None:
     with pytest.raises(ConfigError, match=r"kv_cache_gb.*KV blocks"):
         paged(qwen, blocks=4)  # one 64-position sequence needs 4 blocks + the scratch one
     assert isinstance(paged(qwen, blocks=5).cache, PagedCache)
+
+
+def test_the_role_runs_paged_and_validate_checks_its_budget(tokenizer: Any) -> None:
+    from native_helpers import ctx
+
+    from hybridflow.stages.rollout.native import limits
+    from hybridflow.stages.rollout.native.role import NativeRollout, NativeRolloutOptions
+
+    opts = {"max_new_tokens": 8, "max_prompt_len": 24, "kv_block_size": 16, "kv_cache_gb": 0.01}
+    role = NativeRollout()
+    role.setup(ctx(opts))
+    assert role.engine.core.paged is not None
+    bad = NativeRolloutOptions(**{**opts, "kv_block_size": 24, "model": "tiny"})
+    with pytest.raises(ConfigError, match=r"rollout\.kv_block_size"):
+        bad.validate("rollout")
+    tight = NativeRolloutOptions(**{**opts, "kv_cache_gb": 1e-6, "model": "tiny"})
+    with pytest.raises(ConfigError, match="kv_cache_gb"):
+        limits.check(tight, limits.model_facts(tight, "rollout"), "rollout")

@@ -12,7 +12,7 @@ ConfigError, naming the option, for what the engine could not run:
   max_prompt_len + max_new_tokens > the model's positions            -> .max_prompt_len
   max_new_tokens alone leaves no room for a prompt                   -> .max_new_tokens
   an architecture the engine does not run, sliding-window layers      -> .model
-  kv_cache_gb too small for one slot                                  -> .kv_cache_gb
+  kv_cache_gb too small for one slot (paged: one sequence's blocks)  -> .kv_cache_gb
 
 Invariant: plan time and setup apply the same rules (`check`) to the same facts, so a
 config `validate` accepts fails at setup only for what needs the built model (its module
@@ -120,6 +120,10 @@ def check(opts: Any, facts: ModelFacts, path: str) -> int:
     if None not in (facts.layers, facts.kv_heads, facts.head_dim):
         itemsize = 2 if opts.autocast_bf16 else DTYPES[opts.dtype].itemsize
         need = slot_bytes(facts.layers, facts.kv_heads, facts.head_dim, prompt + new, itemsize)
+        block = getattr(opts, "kv_block_size", 0)
+        if block:  # paged: one whole sequence's blocks and the scratch block
+            blocks = -(-round_up(prompt + new) // block) + 1
+            need = need * blocks * block // round_up(prompt + new)
         if int(opts.kv_cache_gb * GIB) < need:
             raise bad(
                 "kv_cache_gb",

@@ -81,6 +81,12 @@ class NativeRolloutOptions(HFRolloutOptions):
     # None: min(512, the model's positions - max_new_tokens) (limits.py)
     max_prompt_len: int | None = None
     kv_cache_gb: float = 4.0  # KV cache budget; slots = min(max_num_seqs, budget // slot)
+    # 0: slot KV (a sequence reserves max_prompt_len + max_new_tokens positions); > 0 (a
+    # multiple of 16): paged KV in blocks of this many positions, memory following the
+    # lengths rows reach, a prompt's n samples sharing its blocks, rows preempted and
+    # recomputed when blocks run out (native/paged.py); on CUDA its attention is a Triton
+    # kernel reading only live blocks
+    kv_block_size: int = 0
     max_num_seqs: int = 256  # most sequences decoded together
     cuda_graphs: bool = True  # CUDA-graph decode steps (GPU only; CPU always runs eager)
     # Decode in few kernels (native/forward/fused.py): merged q/k/v and gate/up projections (the
@@ -135,6 +141,8 @@ class NativeRolloutOptions(HFRolloutOptions):
             raise bad("kv_cache_gb", f"must be > 0, got {self.kv_cache_gb}")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.kv_block_size < 0 or self.kv_block_size % 16:
+            raise bad("kv_block_size", f"must be 0 or a multiple of 16, got {self.kv_block_size}")
         if any(b < 1 for b in self.graph_batch_sizes):
             raise bad("graph_batch_sizes", f"must all be >= 1, got {self.graph_batch_sizes}")
         if any(n < 1 for n in self.decode_lengths):
@@ -212,6 +220,7 @@ class NativeRollout(RolloutState, RoleBase):
             keep_sessions=opts.reuse_kv,
             fused_decode=opts.fused_decode,
             compile_decode=opts.compile_decode,
+            kv_block_size=opts.kv_block_size,
         )
         self.engine = AsyncEngine(NativeEngine(model, config, path=path))
         self.weights = InPlaceWeights(
