@@ -144,7 +144,7 @@ def test_paged_graph_decode_equals_slot_graph_decode(cuda_model: Any) -> None:
     also with too few blocks (rows preempted and recomputed)."""
     params = SamplingParams(temperature=0.0, max_new_tokens=40, n=3)
     reqs = [
-        Request([p.cuda() for p in prompts(4, seed=k, lo=3, hi=30)], params, seed=k) for k in (1, 2)
+        Request([p.cuda() for p in prompts(4, seed=k, lo=3, hi=20)], params, seed=k) for k in (1, 2)
     ]
     slot = run_all(engine(cuda_model, max_num_seqs=32, graph_batch_sizes=(8, 16)), reqs)
     for budget in (0.05, None):
