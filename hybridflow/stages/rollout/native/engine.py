@@ -60,7 +60,7 @@ from hybridflow.stages.rollout.native.request import (
     row_params,
 )
 from hybridflow.stages.rollout.native.sampler import row_uniform, sample
-from hybridflow.stages.rollout.native.scheduler import Admission, Blocks, Moves, RowRef, Scheduler
+from hybridflow.stages.rollout.native.scheduler import Admission, Moves, RowRef, Scheduler
 
 log = logging.getLogger("hybridflow.rollout.native")
 
@@ -353,9 +353,7 @@ class NativeEngine:
 
     def _prefill(self) -> list[RequestOutput]:
         paged = self.paged
-        blocks = None
-        if paged is not None:  # watermark: 1% of the pool, as vLLM's
-            blocks = Blocks(len(paged.free_blocks), paged.block, max(1, paged.num_blocks // 100))
+        blocks = None if paged is None else paged.budget()
         adm = self.scheduler.admit(self.config.max_prefill_tokens, self._tick, blocks)
         self._apply(adm.moves)  # evictions and parked K/V into running slots, in order
         for key in adm.evicted:

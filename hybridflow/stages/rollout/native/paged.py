@@ -42,6 +42,7 @@ from hybridflow.stages.rollout.native.forward.paged_attention import (
     triton_available,
 )
 from hybridflow.stages.rollout.native.kv_cache import GIB, DecodeMeta, SlotCache
+from hybridflow.stages.rollout.native.scheduler import Blocks
 
 
 def block_bytes(layers: int, kv_heads: int, head_dim: int, block: int, itemsize: int) -> int:
@@ -84,6 +85,11 @@ class PagedCache(SlotCache):
     @property
     def used_blocks(self) -> int:
         return self.num_blocks - 1 - len(self.free_blocks)
+
+    def budget(self) -> Blocks:
+        """The scheduler's admission budget: the free blocks, less a watermark of 1% of
+        the pool (as vLLM's)."""
+        return Blocks(len(self.free_blocks), self.block, max(1, self.num_blocks // 100))
 
     def _make_kv(self) -> torch.Tensor:
         layers, _, _, kv_heads, _, head_dim = self.shape
