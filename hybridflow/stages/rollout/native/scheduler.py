@@ -255,10 +255,7 @@ class Scheduler:
             raise ValueError(f"bad finished slots {list(slots)} (active {self.active})")
         park = park or {}
         out = Finish(rows=[self.slots[s] for s in slots])
-        top = self.active - len(done)
-        holes = sorted(s for s in done if s < top)
-        movers = [s for s in range(top, self.active) if s not in done]
-        out.moves = list(zip(movers, holes, strict=True))
+        parking: Moves = []
         for s in slots:  # park below the parked ones (dsts >= top: no survivor sits there)
             session = self._session.get(self.slots[s].request_id)
             if session is None:
@@ -268,13 +265,9 @@ class Scheduler:
                 dst = self.num_slots - 1 - len(self.parked)
                 self.parked.append(session)
                 self._valid[session] = int(park[s])
-                out.moves.append((s, dst))
+                parking.append((s, dst))
                 out.parked.append((session, dst))
-        for src, dst in out.moves[: len(holes)]:
-            self.slots[dst] = self.slots[src]
-            self.offsets[dst] = self.offsets[src]
-        del self.slots[top:]
-        del self.offsets[top:]
+        out.moves = self._compact(done) + parking
         for ref in out.rows:
             self._left[ref.request_id] -= 1
             if self._left[ref.request_id] == 0:
@@ -295,19 +288,25 @@ class Scheduler:
         if any(not 0 <= s < self.active for s in slots) or len(set(slots)) != len(generated):
             raise ValueError(f"bad preempted slots {slots} (active {self.active})")
         refs = [self.slots[s] for s in slots]
-        top = self.active - len(slots)
-        holes = [s for s in slots if s < top]
-        movers = [s for s in range(top, self.active) if s not in generated]
+        moves = self._compact(set(slots))
+        for s, ref in zip(slots, refs, strict=True):
+            self._resume[ref] = int(generated[s])
+        for ref in sorted(refs, key=lambda r: (r.request_id, r.row), reverse=True):
+            self.pending.appendleft(ref)
+        return moves
+
+    def _compact(self, removed: set[int]) -> Moves:
+        """Take the rows of `removed` slots out of the running batch: rows above the new
+        top move down into the holes below it -> those moves (the batch stays dense)."""
+        top = self.active - len(removed)
+        holes = sorted(s for s in removed if s < top)
+        movers = [s for s in range(top, self.active) if s not in removed]
         moves = list(zip(movers, holes, strict=True))
         for src, dst in moves:
             self.slots[dst] = self.slots[src]
             self.offsets[dst] = self.offsets[src]
         del self.slots[top:]
         del self.offsets[top:]
-        for s, ref in zip(slots, refs, strict=True):
-            self._resume[ref] = int(generated[s])
-        for ref in sorted(refs, key=lambda r: (r.request_id, r.row), reverse=True):
-            self.pending.appendleft(ref)
         return moves
 
     def abort_all(self) -> list[int]:
