@@ -4,6 +4,7 @@ cache's two paths (stages/rollout/native/forward/paged_attention.py).
     python bench/paged_attention.py                      # B=256, both shapes, bf16
     python bench/paged_attention.py --batch 16 --min-len 2000 --max-len 4000 --bucket 4096
     python bench/paged_attention.py --splits 4           # force the kernel's split count
+    python bench/paged_attention.py --group 8 --prefix 256 --min-len 300   # GRPO's n = 8
 
 Shapes (one layer's decode attention): qwen2-0.5b (Hkv=2, G=7, D=64) and qwen3-0.6b
 (Hkv=8, G=2, D=128). Live lengths uniform in [--min-len, --max-len], the bucket (the slot
@@ -14,40 +15,32 @@ bucket / BLK columns (unused columns name scratch block 0). Variants:
           additive mask, as forward/fused.py decodes today
   torch   paged_decode_torch: gathers all bucket / BLK blocks per row, SDPA with a mask
   triton  paged_decode_triton: walks each row's live blocks only
+  cascade shared_prefix.cascade_decode_triton, with --group > 1: rows in groups of --group
+          share their first --prefix positions (whole blocks, below --min-len) as a
+          prompt's samples do; each group's shared blocks are read once per step
 Per variant: us per call from CUDA events over graph replays (--inner calls per graph,
 median of --repeats replays), eager_us the same without the graph, max_abs_diff to dense.
 Per case: live_kv_bytes (K and V at the live positions, what the kernel must read) and
-bucket_kv_bytes (what the dense and torch paths read), so GB/s = bytes / us / 1e3 (given
+bucket_kv_bytes (what the dense and torch paths read), cascade_kv_bytes (what the cascade
+must read), so GB/s = bytes / us / 1e3 (given
 as live_gbps per variant). Needs CUDA; prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from hybridflow.stages.rollout.native.forward import paged_attention as pa
+from hybridflow.stages.rollout.native.forward import shared_prefix as sp
 
-def _load_paged() -> Any:
-    """paged_attention.py by path: it needs torch (and triton) alone, and importing it
-    through the package would pull in the transport's pyzmq and msgspec."""
-    path = Path(__file__).parents[1] / "hybridflow/stages/rollout/native/forward/paged_attention.py"
-    spec = importlib.util.spec_from_file_location("native_paged_attention", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pa = _load_paged()
 SHAPES = {"qwen2-0.5b": (2, 7, 64), "qwen3-0.6b": (8, 2, 128)}  # Hkv, G, D
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -60,11 +53,18 @@ def layouts(opts: argparse.Namespace, hkv: int, g: int, d: int) -> dict[str, Any
     slot_k = torch.randn(b, hkv, bucket, d, generator=gen).to(dtype)
     slot_v = torch.randn(b, hkv, bucket, d, generator=gen).to(dtype)
     used = (lengths + blk - 1) // blk  # blocks per row
+    shared = min(opts.prefix, opts.min_len - 1) // blk  # full blocks a group's rows share
+    leader = torch.arange(b) // opts.group * opts.group  # [B] each row's group's first row
+    if opts.group > 1 and shared:  # the n samples of a prompt: the same prompt K/V
+        slot_k[:, :, : shared * blk] = slot_k[leader, :, : shared * blk]
+        slot_v[:, :, : shared * blk] = slot_v[leader, :, : shared * blk]
     nb = 1 + int(used.sum())
     ids = torch.randperm(nb - 1, generator=gen) + 1
     table = torch.zeros(b, bucket // blk, dtype=torch.int32)
     cols = torch.arange(bucket // blk)[None, :] < used[:, None]  # [B, MB] allocated entries
     table[cols] = ids.to(torch.int32)
+    if opts.group > 1 and shared:  # group rows name the leader's blocks (theirs go unused)
+        table[:, :shared] = table[leader, :shared]
     k = torch.zeros(nb, hkv, blk, d, dtype=dtype)
     v = torch.zeros(nb, hkv, blk, d, dtype=dtype)
     # [B, Hkv, MB, BLK, D] -> per allocated (row, column) its [Hkv, BLK, D] block
@@ -75,8 +75,21 @@ def layouts(opts: argparse.Namespace, hkv: int, g: int, d: int) -> dict[str, Any
         torch.arange(bucket)[None, None, None, :] >= lengths[:, None, None, None], float("-inf")
     )
     q = torch.randn(b, hkv, g, d, generator=gen).to(dtype)
+    owned = [table[r, : int(used[r])].tolist() for r in range(b)]
     out = dict(q=q, slot_k=slot_k, slot_v=slot_v, mask=mask, k=k, v=v, table=table, lengths=lengths)
-    return {name: t.cuda() for name, t in out.items()}
+    res = {name: t.cuda() for name, t in out.items()}
+    refs = [0] * nb
+    for row in owned:
+        for blk_id in row:
+            refs[blk_id] += 1
+    cap = sp.members_per_entry(g)
+    starts, entries = sp.prefix_groups(owned, refs, blk, cap)
+    groups = sp.group_tensors(starts, entries, b, cap)
+    res.update(zip(("starts", "members", "spans"), (x.cuda() for x in groups), strict=True))
+    # positions the cascade reads: each entry's shared ones once, every row's own ones
+    cascade = int(lengths.sum()) - sum(starts.values()) + sum(n for _, n in entries)
+    res["cascade_positions"], res["grouped_rows"] = cascade, len(starts)
+    return res
 
 
 def events_us(fn: Callable[[], object], inner: int, repeats: int) -> float:
@@ -129,8 +142,16 @@ def run_case(opts: argparse.Namespace, shape: str) -> dict[str, Any]:
         variants["triton"] = lambda: pa.paged_decode_triton(
             t["q"], t["k"], t["v"], t["table"], t["lengths"], scale, blocks, splits=opts.splits
         )
+    groups = (t["starts"], t["members"], t["spans"])
+    if why is None and t["grouped_rows"]:
+        variants["cascade"] = lambda: sp.cascade_decode_triton(
+            t["q"], t["k"], t["v"], t["table"], t["lengths"], scale, blocks, *groups,
+            splits=opts.splits, prefix_splits=opts.prefix_splits,
+        )  # fmt: skip
     live = int(t["lengths"].sum()) * hkv * d * 2 * itemsize  # K and V
     res: dict[str, Any] = {"hkv": hkv, "g": g, "d": d, "live_kv_bytes": live}
+    res["cascade_kv_bytes"] = t["cascade_positions"] * hkv * d * 2 * itemsize
+    res["grouped_rows"] = t["grouped_rows"]
     res["bucket_kv_bytes"] = opts.batch * opts.bucket * hkv * d * 2 * itemsize
     res["splits"] = opts.splits or pa.default_splits(opts.batch * hkv, opts.bucket)
     if why is not None:
@@ -154,6 +175,9 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--splits", type=int, default=None, help="kernel splits (default: its own)")
+    ap.add_argument("--group", type=int, default=1, help="rows per prompt (GRPO's n)")
+    ap.add_argument("--prefix", type=int, default=0, help="positions a prompt's rows share")
+    ap.add_argument("--prefix-splits", type=int, default=sp.PREFIX_SPLITS)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--inner", type=int, default=10, help="calls per timed graph / loop")
@@ -168,6 +192,7 @@ def main() -> None:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     out.update(batch=opts.batch, bucket=opts.bucket, block_size=opts.block_size, dtype=opts.dtype)
     out["lengths"] = [opts.min_len, opts.max_len]
+    out.update(group=opts.group, prefix=opts.prefix, prefix_splits=opts.prefix_splits)
     with torch.no_grad():
         for shape in opts.shapes.split(","):
             out[shape] = run_case(opts, shape)

@@ -47,6 +47,7 @@ import torch
 from hybridflow.bench import with_options
 from hybridflow.models.loader import ModelOptions, load_model, load_tokenizer
 from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
+from hybridflow.stages.rollout.native.forward.shared_prefix import PREFIX_MIN_SAVED
 from hybridflow.stages.rollout.native.frontend import AsyncEngine
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
 
@@ -92,6 +93,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--kv-block-size", type=int, default=0, help="paged KV in blocks of this size (0: slots)"
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="rows per prompt (GRPO's n): N / samples prompts, each sampled this many times",
+    )
+    p.add_argument(
+        "--shared-prefix",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="paged KV: a prompt's rows read its shared blocks once per step (cascade): "
+        "where it saves enough (auto), always (on) or never (off)",
     )
     return p.parse_args(argv)
 
@@ -247,6 +261,11 @@ def _measure(
         "kv_cache_gb": round(engine.cache.nbytes / GIB, 4),
         "decode_lengths": engine.lengths,
         "kv_block_size": engine.paged.block if engine.paged is not None else 0,
+        "samples": int(getattr(args, "samples", 1) or 1),
+        # share of decoded rows that read their prompt's blocks once per group (cascade)
+        "shared_prefix_share": round(
+            engine.stats["shared_prefix_rows"] / max(1, engine.stats["decode_tokens"]), 3
+        ),
     }
     if device.type == "cuda":
         result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 3)
@@ -272,23 +291,33 @@ def _engine_config(
             int(x) for x in str(getattr(args, "decode_lengths", "") or "").split(",") if x
         ),
         kv_block_size=int(getattr(args, "kv_block_size", 0) or 0),
+        shared_prefix=getattr(args, "shared_prefix", "auto") != "off",
+        shared_prefix_min_saved=(
+            0 if getattr(args, "shared_prefix", "auto") == "on" else PREFIX_MIN_SAVED
+        ),
     )
 
 
 def _requests(
     n: int, args: argparse.Namespace, gen: torch.Generator, vocab: int, max_new: int
 ) -> list[Request]:
-    """N random prompts of --prompt-len tokens, in requests of --request-rows rows."""
-    prompts = torch.randint(2, vocab, (n, args.prompt_len), generator=gen)
+    """N rows: N / --samples random prompts of --prompt-len tokens, each sampled --samples
+    times, in requests of --request-rows rows."""
+    k = max(1, int(getattr(args, "samples", 1) or 1))
+    if n % k or max(1, args.request_rows) % k:
+        raise SystemExit(f"--samples {k} must divide N ({n}) and --request-rows")
+    prompts = torch.randint(2, vocab, (n // k, args.prompt_len), generator=gen)
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         max_new_tokens=max_new,
+        n=k,
     )
-    rows = max(1, args.request_rows)
+    per = max(1, args.request_rows) // k  # prompts per request
     return [
-        Request(list(prompts[i : i + rows]), params, seed=args.seed + i) for i in range(0, n, rows)
+        Request(list(prompts[i : i + per]), params, seed=args.seed + i)
+        for i in range(0, n // k, per)
     ]
 
 

@@ -141,14 +141,16 @@ def test_compiled_fused_decode_in_graphs_equals_the_module_path(tokenizer: Any) 
 
 def test_paged_graph_decode_equals_slot_graph_decode(cuda_model: Any) -> None:
     """The Triton paged kernel inside the CUDA graphs gives the slot layout's tokens,
-    also with too few blocks (rows preempted and recomputed)."""
+    also with too few blocks (rows preempted and recomputed), and so does the
+    shared-prefix split forced on (4 of the 8 prompts hold a full block, shared by 3)."""
     params = SamplingParams(temperature=0.0, max_new_tokens=40, n=3)
     reqs = [
         Request([p.cuda() for p in prompts(4, seed=k, lo=3, hi=20)], params, seed=k) for k in (1, 2)
     ]
     slot = run_all(engine(cuda_model, max_num_seqs=32, graph_batch_sizes=(8, 16)), reqs)
-    for budget in (0.05, None):
+    for budget, split in ((0.05, False), (0.05, True), (None, True)):
         kw: dict[str, Any] = {"kv_block_size": 16, "max_num_seqs": 32, "graph_batch_sizes": (8, 16)}
+        kw["shared_prefix_min_saved"] = 0 if split else 10**9
         if budget is None:  # 10 blocks for 24 rows of up to 70 positions
             probe = engine(cuda_model, **kw)
             assert probe.paged is not None and probe.paged.kernel
@@ -158,6 +160,7 @@ def test_paged_graph_decode_equals_slot_graph_decode(cuda_model: Any) -> None:
         out = run_all(eng, reqs)
         if budget is None:
             assert eng.stats["preemptions"] > 0
+        assert (eng.stats["shared_prefix_rows"] > 0) is split
         for a, b in zip(slot, out, strict=True):
             assert torch.equal(a.tokens, b.tokens)
             torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)

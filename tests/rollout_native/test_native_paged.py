@@ -12,6 +12,7 @@ from native_helpers import engine, prompts, run_all
 
 from hybridflow.errors import ConfigError
 from hybridflow.stages.rollout.native.engine import NativeEngine
+from hybridflow.stages.rollout.native.forward.shared_prefix import prefix_groups
 from hybridflow.stages.rollout.native.paged import PagedCache
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
 from hybridflow.stages.rollout.native.scheduler import Blocks, Scheduler
@@ -50,6 +51,14 @@ def check_blocks(eng: NativeEngine) -> None:
         if not blocks:
             continue
         assert s < sch.active or s >= sch.num_slots - len(sch.parked)
+    if c.prefix_rows:  # the device's prefix groups are those of the host's lists, all running
+        starts, entries = prefix_groups(c.owned, c.refs, c.block, c.prefix_rows)
+        assert c.starts.tolist() == [starts.get(s, 0) for s in range(c.num_slots)]
+        assert c.spans.tolist()[: len(entries)] == [n for _, n in entries]
+        assert not c.spans[len(entries) :].any()
+        for e, (rows, _) in enumerate(entries):
+            assert c.members[e].tolist() == rows + [-1] * (c.prefix_rows - len(rows))
+        assert all(s < sch.active for s in starts)
 
 
 def equal_outputs(a: list[Any], b: list[Any], atol: float = 1e-5) -> None:
@@ -94,12 +103,52 @@ def test_sampled_rows_and_shared_prompt_blocks(qwen: Any) -> None:
     equal_outputs([outs[i] for i in ids], slot)
 
 
+def test_shared_prefix_attention_gives_what_each_row_reading_its_prefix_gives(qwen: Any) -> None:
+    """Cascade decode (a prompt's rows read its shared blocks once per step) against
+    every row reading its whole history, on the same paged layout: same tokens, log-probs
+    within float rounding, and rows really read through groups."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24, n=4)
+    reqs = [Request(prompts(3, seed=5 + k, lo=16, hi=40), params, seed=k) for k in range(2)]
+    plain = paged(qwen, shared_prefix=False)
+    assert plain.paged is not None and plain.paged.prefix_rows == 0
+    eng = paged(qwen, shared_prefix_min_saved=0)
+    assert eng.paged is not None and eng.paged.prefix_rows > 1
+    ids = [eng.add_request(r) for r in reqs]
+    outs: dict[int, Any] = {}
+    while eng.has_work():
+        outs.update({o.request_id: o for o in eng.step()})
+        check_blocks(eng)
+    equal_outputs([outs[i] for i in ids], run_all(plain, reqs))
+    assert eng.stats["shared_prefix_rows"] > eng.stats["decode_tokens"] // 2
+    assert plain.stats["shared_prefix_rows"] == 0
+
+
+def test_the_split_runs_only_while_it_saves_enough(qwen: Any) -> None:
+    """The policy: 4 rows sharing 2 blocks save 3 x 32 = 96 positions over 4 rows (24
+    each): the split runs at a threshold of 24, not at 25 (where the groups are still
+    kept, for when it would pay)."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, n=4)
+    prompt = prompts(1, seed=2, lo=36, hi=36)
+    for threshold, on in ((24, True), (25, False)):
+        eng = paged(qwen, shared_prefix_min_saved=threshold)
+        eng.add_request(Request(prompt, params))
+        eng.step()
+        assert eng.paged is not None and eng.paged.cascade is on
+        assert eng.paged.starts[:4].tolist() == [32] * 4
+        while eng.has_work():
+            eng.step()
+        assert (eng.stats["shared_prefix_rows"] > 0) is on
+        assert not eng.paged.cascade  # nothing left to share
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_preempted_rows_continue_as_if_never_stopped(qwen: Any, temperature: float) -> None:
     params = SamplingParams(temperature=temperature, max_new_tokens=40, n=2)
     reqs = [Request(prompts(4, seed=9 + k, lo=5, hi=20), params, seed=k) for k in range(2)]
     whole = run_all(engine(qwen), reqs)
-    eng = paged(qwen, blocks=12)  # 16 rows of up to 60 positions: far fewer than they need
+    # 16 rows of up to 60 positions: far fewer blocks than they need; the split forced
+    # on (min_saved 0), so the prefix groups follow preemptions (check_blocks)
+    eng = paged(qwen, blocks=12, shared_prefix_min_saved=0)
     ids = [eng.add_request(r) for r in reqs]
     outs: dict[int, Any] = {}
     while eng.has_work():
@@ -138,7 +187,7 @@ def test_sessions_park_their_blocks_and_continue_like_slots(qwen: Any) -> None:
 
 def test_random_traffic_keeps_the_block_books(qwen: Any) -> None:
     g = torch.Generator().manual_seed(0)
-    eng = paged(qwen, blocks=14, max_num_seqs=12)
+    eng = paged(qwen, blocks=14, max_num_seqs=12, shared_prefix_min_saved=0)
     live: set[Any] = set()
     for it in range(40):
         if it % 3 == 0:

@@ -43,6 +43,7 @@ import torch
 
 from hybridflow.errors import BatchError
 from hybridflow.stages.rollout.native.forward.model import NativeModel, prompt_logits
+from hybridflow.stages.rollout.native.forward.shared_prefix import members_per_entry
 from hybridflow.stages.rollout.native.graphs import (
     DecodeGraphs,
     default_buckets,
@@ -94,7 +95,15 @@ class NativeEngine:
             self._uniform = torch.compile(row_uniform, dynamic=True, fullgraph=True)
         self.compile_error: str | None = None  # why a compile_decode fell back to eager
         block = config.kv_block_size
-        layout: Any = partial(PagedCache, block_size=block) if block else SlotCache
+        share = members_per_entry(self.model.groups) if block and config.shared_prefix else 0
+        layout: Any = SlotCache
+        if block:
+            layout = partial(
+                PagedCache,
+                block_size=block,
+                prefix_rows=share if share > 1 else 0,
+                prefix_min_saved=config.shared_prefix_min_saved,
+            )
         self.cache = layout(
             layers=len(self.model.layers),
             kv_heads=self.model.num_kv_heads,
@@ -127,6 +136,7 @@ class NativeEngine:
                 self._forward,
                 self._sample,
                 self.device,
+                variants=2 if self.paged is not None and self.paged.prefix_rows else 1,
             )
         self._live: dict[int, _Live] = {}
         # preempted rows (paged KV ran out of blocks) -> the tokens and log-probs they had
@@ -149,6 +159,7 @@ class NativeEngine:
             "reused_tokens": 0,  # prompt positions a session's parked K/V already held
             "session_evictions": 0,  # parked sessions dropped for want of a slot (or block)
             "preemptions": 0,  # rows sent back to the queue for want of a KV block (paged)
+            "shared_prefix_rows": 0,  # sum over steps of rows reading a group's prefix once
             "busy_s": 0.0,  # seconds inside step() (AsyncEngine counts them)
         }
         self.allocate()
@@ -324,25 +335,37 @@ class NativeEngine:
         attended = self.scheduler.attended(self._tick)
         self._high = max(self._high, attended)
         n = pick(self.lengths, attended, "positions")
+        split = int(self.paged is not None and self.paged.cascade)  # shared-prefix split
         if self.graphs is not None:
-            self.graphs.replay(b, n, truncate)
+            self.graphs.replay(b, n, truncate, split)
         else:
-            self._forward(b, n)
+            self._forward(b, n, split)
             self._sample(b, truncate)
         self.stats["attended_positions"] += b * n
         self.stats["steps"] += 1
         self._tick += 1
         self.stats["decode_tokens"] += b
+        if self.paged is not None:  # rows that read their prompt's blocks once per group
+            self.stats["shared_prefix_rows"] += self.paged.grouped_rows
         done = self.cache.done[:b].cpu()  # the one host sync of a step
         if bool(done.any()):
             outputs += self._retire(done.nonzero().flatten().tolist())
         return outputs
 
     # -- the step's parts ----------------------------------------------------------------
-    def _forward(self, b: int, n: int) -> None:
+    def _forward(self, b: int, n: int, split: int = 0) -> None:
+        """The decode forward of rows 0..b-1; `split`: 1 reads shared prompt blocks once
+        per group (the paged cache's cascade attention), 0 plain (graphs capture both)."""
         c = self.cache
         assert self.logits is not None and c.allocated
-        self.model.decode(c.tokens[:b], c.positions[:b], c.rows[:b], c, n, self.logits[:b])
+        paged, policy = self.paged, self.paged is not None and self.paged.cascade
+        if paged is not None:
+            paged.cascade = bool(split)
+        try:
+            self.model.decode(c.tokens[:b], c.positions[:b], c.rows[:b], c, n, self.logits[:b])
+        finally:
+            if paged is not None:
+                paged.cascade = policy
 
     def _sample(self, b: int, truncate: bool) -> None:
         c = self.cache

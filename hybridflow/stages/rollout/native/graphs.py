@@ -1,11 +1,12 @@
 """CUDA graphs of the native engine's decode step, per batch-size and attention-length bucket.
 
 Consumes two step functions that read and write only static buffers (the slot cache and
-a logits buffer): `forward(b, n)` (the model, rows 0..b-1 attending to the first n cache
-positions -> logits[:b]) and `sample(b, truncate)` (sampler + record for rows 0..b-1).
-Produces, per batch bucket b, one graph of `forward(b, n)` per length bucket n and two of
-`sample(b, .)` (without and with top-k/top-p), all in one memory pool (they never run
-concurrently, so they can share it). A batch of B live rows whose positions are below N
+a logits buffer): `forward(b, n, v)` (the model, rows 0..b-1 attending to the first n
+cache positions -> logits[:b], in attention variant v: 0 plain, 1 the paged cache's
+shared-prefix split) and `sample(b, truncate)` (sampler + record for rows 0..b-1).
+Produces, per batch bucket b, one graph of `forward(b, n, v)` per length bucket n and
+variant v and two of `sample(b, .)` (without and with top-k/top-p), all in one memory
+pool (they never run concurrently, so they can share it). A batch of B live rows whose positions are below N
 replays batch bucket >= B and length bucket >= N, the smallest of each; rows B..bucket-1
 are padding that write only into their own free slots (SlotCache.record clamps them).
 Length buckets exist because decode attention costs what it reads: a slot holds
@@ -62,14 +63,16 @@ class DecodeGraphs:
         self,
         buckets: list[int],
         lengths: list[int],
-        forward: Callable[[int, int], None],
+        forward: Callable[[int, int, int], None],
         sample: Callable[[int, bool], None],
         device: torch.device,
+        variants: int = 1,
     ) -> None:
         self.buckets = sorted(set(buckets))
         self.lengths = sorted(set(lengths))
+        self.variants = variants
         self._forward, self._sample, self.device = forward, sample, device
-        self._fwd: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._fwd: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._smp: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
 
     @property
@@ -89,7 +92,8 @@ class DecodeGraphs:
         with torch.cuda.stream(side):  # warm-up: cuBLAS handles, kernel choices, allocator
             for b in self.buckets:
                 for n in self.lengths:
-                    self._forward(b, n)
+                    for v in range(self.variants):
+                        self._forward(b, n, v)
                 self._sample(b, False)
                 self._sample(b, True)
         torch.cuda.current_stream(self.device).wait_stream(side)
@@ -105,7 +109,9 @@ class DecodeGraphs:
         try:
             for b in reversed(self.buckets):
                 for n in reversed(self.lengths):
-                    self._fwd[(b, n)] = self._graph(lambda b=b, n=n: self._forward(b, n), pool)
+                    for v in range(self.variants):
+                        step = lambda b=b, n=n, v=v: self._forward(b, n, v)  # noqa: E731
+                        self._fwd[(b, n, v)] = self._graph(step, pool)
                 for truncate in (False, True):
                     self._smp[(b, truncate)] = self._graph(
                         lambda b=b, t=truncate: self._sample(b, t), pool
@@ -127,11 +133,11 @@ class DecodeGraphs:
             fn()
         return graph
 
-    def replay(self, b: int, n: int, truncate: bool) -> int:
+    def replay(self, b: int, n: int, truncate: bool, variant: int = 0) -> int:
         """Run one decode step for b live rows whose positions are below n; returns the
         batch bucket it ran."""
         size = self.bucket(b)
-        self._fwd[(size, pick(self.lengths, n, "positions"))].replay()
+        self._fwd[(size, pick(self.lengths, n, "positions"), variant)].replay()
         self._smp[(size, truncate)].replay()
         return size
 

@@ -41,6 +41,12 @@ from hybridflow.stages.rollout.native.forward.paged_attention import (
     paged_decode,
     triton_available,
 )
+from hybridflow.stages.rollout.native.forward.shared_prefix import (
+    cascade_decode,
+    group_tensors,
+    prefix_groups,
+    saved_positions,
+)
 from hybridflow.stages.rollout.native.kv_cache import GIB, DecodeMeta, SlotCache
 from hybridflow.stages.rollout.native.scheduler import Blocks
 
@@ -50,14 +56,24 @@ def block_bytes(layers: int, kv_heads: int, head_dim: int, block: int, itemsize:
 
 
 class PagedCache(SlotCache):
-    def __init__(self, *, block_size: int, **kw: Any) -> None:
+    def __init__(
+        self, *, block_size: int, prefix_rows: int = 0, prefix_min_saved: int = 0, **kw: Any
+    ) -> None:
         self.block = block_size
+        # > 0: decode may read a prompt's shared blocks once per group of up to this many
+        # rows (forward/shared_prefix.py); 0: every row reads its whole history
+        self.prefix_rows = prefix_rows
+        # ... in the steps where that saves this many positions per row with blocks
+        self.prefix_min_saved = prefix_min_saved
+        self.cascade = False  # attend through the split (the policy's answer, or forced)
         super().__init__(**kw)
         self.owned: list[list[int]] = [[] for _ in range(self.num_slots)]
         self.refs = [0] * self.num_blocks
         self.free_blocks: list[int] = []
         self.table: torch.Tensor | None = None
         self._dirty: set[int] = set()
+        self._regroup = False  # sharing may have changed: recompute the prefix groups
+        self.grouped_rows = 0  # rows reading a shared prefix once per group (last sync)
         self.peak_blocks = 0  # most blocks in use at once (memory_stats)
         # The Triton kernel reads each row's live blocks whatever the length bucket.
         self.kernel = self.device.type == "cuda" and triton_available()
@@ -108,6 +124,12 @@ class PagedCache(SlotCache):
         self.refs = [0] * self.num_blocks
         self.free_blocks = list(range(self.num_blocks - 1, 0, -1))  # pop() hands out 1 first
         self._dirty.clear()
+        i64 = dict(dtype=torch.int64, device=self.device)
+        c = max(1, self.prefix_rows)
+        self.starts = torch.zeros(self.num_slots, **i64)  # [S] shared positions per row
+        self.members = torch.full((self.num_slots, c), -1, **i64)  # [S, C] per entry
+        self.spans = torch.zeros(self.num_slots, **i64)  # [S] shared positions per entry
+        self._regroup = True
 
     def release(self) -> None:
         super().release()
@@ -141,6 +163,7 @@ class PagedCache(SlotCache):
         for s in srcs - dsts:
             self.owned[s] = []
         self._dirty |= srcs | dsts
+        self._regroup = True
 
     def collect(self, active: int, parked_from: int) -> None:
         for s in range(active, parked_from):
@@ -148,6 +171,7 @@ class PagedCache(SlotCache):
                 self._drop(self.owned[s])
                 self.owned[s] = []
                 self._dirty.add(s)
+                self._regroup = True
 
     def grow(self, slots: list[int], positions: list[int]) -> list[int]:
         """Give each slot blocks for `positions` positions -> the slots left short."""
@@ -183,9 +207,13 @@ class PagedCache(SlotCache):
                 short = self.grow([s], [length])
             if short:  # the scheduler's Blocks budget promised these: a bug if reached
                 raise RuntimeError(f"paged KV: no block left for admitted slot {s}")
+        self._regroup = True
 
     def sync(self) -> None:
-        """Rewrite the device table rows of every slot whose blocks changed."""
+        """Rewrite the device table rows of every slot whose blocks changed (and the
+        prefix groups, when sharing may have changed: `grow` adds only private blocks)."""
+        if self.prefix_rows and self._regroup and self.table is not None:
+            self._write_groups()
         if not self._dirty or self.table is None:
             return
         rows = sorted(self._dirty)
@@ -196,6 +224,18 @@ class PagedCache(SlotCache):
                 host[i, : len(self.owned[s])] = torch.tensor(self.owned[s])
         at = torch.tensor(rows, dtype=torch.int64)
         self.table.index_copy_(0, at.to(self.device), host.to(self.device))
+
+    def _write_groups(self) -> None:
+        self._regroup = False
+        starts, entries = prefix_groups(self.owned, self.refs, self.block, self.prefix_rows)
+        host = group_tensors(starts, entries, self.num_slots, self.prefix_rows)
+        for dev, value in zip((self.starts, self.members, self.spans), host, strict=True):
+            dev.copy_(value)
+        holders = sum(1 for blocks in self.owned if blocks)
+        self.cascade = bool(entries) and (
+            saved_positions(entries) >= self.prefix_min_saved * holders
+        )
+        self.grouped_rows = len(starts) if self.cascade else 0
 
     # -- what the forward passes use ----------------------------------------------------
     def move(self, src: list[int], dst: list[int], upto: int | None = None) -> None:
@@ -227,9 +267,12 @@ class PagedCache(SlotCache):
 
     def attend(self, i: int, q: torch.Tensor, meta: DecodeMeta, scale: float) -> torch.Tensor:
         assert self.kv is not None and self.table is not None
-        blocks = math.ceil(meta.n / self.block)
-        table = self.table[: q.shape[0]]
-        return paged_decode(q, self.kv[i, 0], self.kv[i, 1], table, meta.lengths, scale, blocks)
+        b, blocks = q.shape[0], math.ceil(meta.n / self.block)
+        table, k, v = self.table[:b], self.kv[i, 0], self.kv[i, 1]
+        if self.cascade:
+            groups = (self.starts[:b], self.members[:b], self.spans[:b])
+            return cascade_decode(q, k, v, table, meta.lengths, scale, blocks, *groups)
+        return paged_decode(q, k, v, table, meta.lengths, scale, blocks)
 
     def prompt_writes(
         self, slots: list[int], group: list[int], lengths: list[int], width: int

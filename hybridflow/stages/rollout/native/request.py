@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from hybridflow.errors import BatchError, ConfigError
+from hybridflow.stages.rollout.native.forward.shared_prefix import PREFIX_MIN_SAVED
 from hybridflow.stages.rollout.native.sampler import split_seed
 
 
@@ -135,6 +136,12 @@ class EngineConfig:
     # 0: slot KV (each sequence reserves max_model_len positions); > 0: paged KV in blocks
     # of this many positions (paged.py), a multiple of 16
     kv_block_size: int = 0
+    # paged KV: a prompt's n rows read its shared blocks once per decode step (cascade
+    # attention, forward/shared_prefix.py) while that saves at least
+    # `shared_prefix_min_saved` positions of KV reads per running row on average;
+    # False: each row always reads its whole history
+    shared_prefix: bool = True
+    shared_prefix_min_saved: int = PREFIX_MIN_SAVED
     # decode in few kernels: merged q/k/v and gate/up weights, one mask per step (fused.py);
     # a model it cannot take (another activation, LoRA-wrapped projections) keeps the
     # module path

@@ -87,6 +87,12 @@ class NativeRolloutOptions(HFRolloutOptions):
     # recomputed when blocks run out (native/paged.py); on CUDA its attention is a Triton
     # kernel reading only live blocks
     kv_block_size: int = 0
+    # paged KV: the n samples of a prompt read its shared prompt blocks once per decode
+    # step (cascade attention: one pass per prompt group, one per row over its own
+    # blocks, merged by log-sum-exp; native/forward/shared_prefix.py), in the steps where
+    # that saves enough reads (long shared prompts: shared_prefix.PREFIX_MIN_SAVED says
+    # where it pays); false: never
+    shared_prefix_attention: bool = True
     max_num_seqs: int = 256  # most sequences decoded together
     cuda_graphs: bool = True  # CUDA-graph decode steps (GPU only; CPU always runs eager)
     # Decode in few kernels (native/forward/fused.py): merged q/k/v and gate/up projections (the
@@ -221,6 +227,7 @@ class NativeRollout(RolloutState, RoleBase):
             fused_decode=opts.fused_decode,
             compile_decode=opts.compile_decode,
             kv_block_size=opts.kv_block_size,
+            shared_prefix=opts.shared_prefix_attention,
         )
         self.engine = AsyncEngine(NativeEngine(model, config, path=path))
         self.weights = InPlaceWeights(

@@ -41,6 +41,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 64  # positions per kernel iteration (several blocks when BLK < 64)
 _PROGRAMS = 512  # below this many (row, head) programs, split each row's positions
 _MAX_SPLITS = 16
+# A shared prefix's partial softmaxes for the decode kernel to merge (shared_prefix.py):
+# starts [B] int64, acc [B, Hkv, PRE, G_PAD, D] float32, max and sum [B, Hkv, PRE, G_PAD]
+Prefix = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def triton_available() -> bool:
@@ -120,10 +123,13 @@ def paged_decode_triton(
     scale: float,
     blocks: int,
     splits: int | None = None,
+    prefix: Prefix | None = None,
 ) -> torch.Tensor:
     """The Triton kernel; paged_decode_torch's contract, except that it reads only live
     positions, so `blocks` only sizes the split (lengths must still fit the table,
-    lengths <= MB * BLK). `splits`: per-row splits (default: default_splits)."""
+    lengths <= MB * BLK). `splits`: per-row splits (default: default_splits). `prefix`:
+    row b reads only positions starts[b].. and merges the partial softmaxes another
+    kernel left for its first starts[b] positions (shared_prefix.py)."""
     why = unsupported(q, k_cache)
     if why is not None:
         raise ValueError(f"paged_decode_triton: {why}")
@@ -135,38 +141,94 @@ def paged_decode_triton(
     part = torch.empty((b, hkv, n, g_pad, d), dtype=torch.float32, device=q.device) if n > 1 else o
     ml = torch.empty((2, b, hkv, n, g_pad), dtype=torch.float32, device=q.device) if n > 1 else o
     m, l_ = (ml[0], ml[1]) if n > 1 else (o, o)
+    # Without a prefix the kernels never touch these pointers (PRE = 0).
+    starts, pre, pre_m, pre_l = prefix if prefix is not None else (lengths, o, o, o)
+    pre_n = 0 if prefix is None else pre.shape[2]
     _decode_kernel[(b, hkv, n)](
-        q, k_cache, v_cache, table, lengths, o, part, m, l_,
+        q, k_cache, v_cache, table, lengths, starts, o, part, m, l_, pre, pre_m, pre_l,
         scale * math.log2(math.e),  # the kernel's exponentials are exp2
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0),
         *o.stride()[:3],
-        G=g, G_PAD=g_pad, D=d, BLK=k_cache.shape[2], TILE=_TILE, SPLITS=n,
+        G=g, G_PAD=g_pad, D=d, BLK=k_cache.shape[2], TILE=_TILE, SPLITS=n, PRE=pre_n,
     )  # fmt: skip
     if n > 1:
         _combine_kernel[(b, hkv)](
-            part, m, l_, o, *o.stride()[:3], hkv, G=g, G_PAD=g_pad, D=d, SPLITS=n
-        )
+            part, m, l_, o, starts, pre, pre_m, pre_l, *o.stride()[:3], hkv,
+            G=g, G_PAD=g_pad, D=d, SPLITS=n, PRE=pre_n,
+        )  # fmt: skip
     return o
 
 
 if _TRITON:
 
     @triton.jit
+    def attend_tile(
+        q, acc, mx, sm, k_ptr, v_ptr, trow_ptr, pos, length, h,
+        sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, scale_log2, ds, BLK: tl.constexpr,
+    ):  # fmt: skip
+        """One online-softmax step: the query tile q [M, D] against positions `pos`
+        [TILE] (those < length; block ids from the table row at trow_ptr) of KV head h
+        -> the updated (acc [M, D], max [M], sum [M]), in log2 units."""
+        live = pos < length  # the last tile's tail: never loaded
+        blk = tl.load(trow_ptr + pos // BLK, live, 0).to(tl.int64)
+        off = pos % BLK
+        k = tl.load(  # [D, TILE], read transposed for the dot
+            k_ptr + blk[None, :] * sk_n + h * sk_h + off[None, :] * sk_t + ds[:, None],
+            live[None, :],
+            0.0,
+        )
+        qk = tl.dot(q, k, input_precision="ieee")  # [M, TILE] float32
+        qk = tl.where(live[None, :], qk * scale_log2, float("-inf"))
+        new = tl.maximum(mx, tl.max(qk, 1))  # finite: every tile has a live position
+        alpha = tl.exp2(mx - new)
+        p = tl.exp2(qk - new[:, None])
+        sm = sm * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr + blk[:, None] * sv_n + h * sv_h + off[:, None] * sv_t + ds[None, :],
+            live[:, None],
+            0.0,
+        )  # [TILE, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        return acc, new, sm
+
+    @triton.jit
+    def _merge(acc, mx, sm, part_ptr, m_ptr, l_ptr, base, gs, ds, keep, COUNT: tl.constexpr,
+               G_PAD: tl.constexpr, D: tl.constexpr):  # fmt: skip
+        """Merge COUNT partial softmaxes (contiguous [COUNT, G_PAD(, D)] from `base`) into
+        (acc, mx, sm) by rescaling to a common max; rows not `keep` are not loaded (weight
+        0, as an empty split's -inf max gives). mx must already be finite."""
+        for s in tl.static_range(COUNT):
+            row = base + s * G_PAD
+            ms = tl.load(m_ptr + row + gs, keep, float("-inf"))
+            new = tl.maximum(mx, ms)
+            alpha, w = tl.exp2(mx - new), tl.exp2(ms - new)
+            sm = sm * alpha + tl.load(l_ptr + row + gs, keep, 0.0) * w
+            part = tl.load(part_ptr + (row + gs[:, None]) * D + ds[None, :], keep[:, None], 0.0)
+            acc = acc * alpha[:, None] + part * w[:, None]
+            mx = new
+        return acc, mx, sm
+
+    @triton.jit
     def _decode_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, part_ptr, m_ptr, l_ptr,
-        scale_log2,
+        q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, start_ptr, o_ptr, part_ptr, m_ptr, l_ptr,
+        pre_ptr, pm_ptr, pl_ptr, scale_log2,
         sq_b, sq_h, sq_g, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, st_b, so_b, so_h, so_g,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr,
-        TILE: tl.constexpr, SPLITS: tl.constexpr,
+        TILE: tl.constexpr, SPLITS: tl.constexpr, PRE: tl.constexpr,
     ):  # fmt: skip
         """Program (row b, KV head h, split s): online softmax over the split's share of
-        the row's live tiles of TILE positions, the G query heads as one [G_PAD, D] tile."""
+        the row's live tiles of TILE positions, the G query heads as one [G_PAD, D] tile.
+        With PRE prefix partials: the row's positions from starts[b] only, and its PRE
+        partials merged in when starts[b] > 0 (here, or in _combine_kernel when split)."""
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         gs, ds, ts = tl.arange(0, G_PAD), tl.arange(0, D), tl.arange(0, TILE)
         heads = gs[:, None] < G
         q = tl.load(q_ptr + b * sq_b + h * sq_h + gs[:, None] * sq_g + ds[None, :], heads, 0.0)
         length = tl.load(len_ptr + b).to(tl.int32)
-        tiles = (length + TILE - 1) // TILE  # the loop bound comes from the device
+        start = 0
+        if PRE > 0:
+            start = tl.load(start_ptr + b).to(tl.int32)  # < length: the suffix is not empty
+        tiles = (length - start + TILE - 1) // TILE  # the loop bound comes from the device
         per = (tiles + SPLITS - 1) // SPLITS
         lo = s * per  # split s: tiles [lo, hi); split 0 always has one (lengths >= 1)
         hi = tl.minimum(lo + per, tiles)
@@ -174,29 +236,16 @@ if _TRITON:
         sm = tl.zeros([G_PAD], tl.float32)  # running sum of exponentials
         acc = tl.zeros([G_PAD, D], tl.float32)
         for i in range(lo, hi):
-            pos = i * TILE + ts  # [TILE]
-            live = pos < length  # the last tile's tail: never loaded
-            blk = tl.load(table_ptr + b * st_b + pos // BLK, live, 0).to(tl.int64)
-            off = pos % BLK
-            k = tl.load(  # [D, TILE], read transposed for the dot
-                k_ptr + blk[None, :] * sk_n + h * sk_h + off[None, :] * sk_t + ds[:, None],
-                live[None, :],
-                0.0,
-            )
-            qk = tl.dot(q, k, input_precision="ieee")  # [G_PAD, TILE] float32
-            qk = tl.where(live[None, :], qk * scale_log2, float("-inf"))
-            new = tl.maximum(mx, tl.max(qk, 1))  # finite: every tile has a live position
-            alpha = tl.exp2(mx - new)
-            p = tl.exp2(qk - new[:, None])
-            sm = sm * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_ptr + blk[:, None] * sv_n + h * sv_h + off[:, None] * sv_t + ds[None, :],
-                live[:, None],
-                0.0,
-            )  # [TILE, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            mx = new
+            acc, mx, sm = attend_tile(
+                q, acc, mx, sm, k_ptr, v_ptr, table_ptr + b * st_b, start + i * TILE + ts,
+                length, h, sk_n, sk_h, sk_t, sv_n, sv_h, sv_t, scale_log2, ds, BLK,
+            )  # fmt: skip
         if SPLITS == 1:
+            if PRE > 0:
+                acc, mx, sm = _merge(
+                    acc, mx, sm, pre_ptr, pm_ptr, pl_ptr, (b * tl.num_programs(1) + h) * PRE * G_PAD,
+                    gs, ds, (gs < G) & (start > 0), PRE, G_PAD, D,
+                )  # fmt: skip
             out = o_ptr + b * so_b + h * so_h + gs[:, None] * so_g + ds[None, :]
             tl.store(out, (acc / sm[:, None]).to(o_ptr.dtype.element_ty), heads)
         else:  # partials for _combine_kernel, contiguous [B, Hkv, SPLITS, G_PAD(, D)]
@@ -207,25 +256,29 @@ if _TRITON:
 
     @triton.jit
     def _combine_kernel(
-        part_ptr, m_ptr, l_ptr, o_ptr, so_b, so_h, so_g, H,
+        part_ptr, m_ptr, l_ptr, o_ptr, start_ptr, pre_ptr, pm_ptr, pl_ptr, so_b, so_h, so_g, H,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+        PRE: tl.constexpr,
     ):  # fmt: skip
-        """Program (row b, KV head h): the splits' partial softmaxes merged by rescaling
-        to a common max. Split 0 is never empty, so the max is finite from the first."""
+        """Program (row b, KV head h): the splits' partial softmaxes (then the row's prefix
+        partials, if any) merged. Split 0 is never empty, so the max is finite from the
+        first."""
         b, h = tl.program_id(0), tl.program_id(1)
         gs, ds = tl.arange(0, G_PAD), tl.arange(0, D)
+        # split 0 alone first: it makes mx finite, which _merge wants
         base = (b * H + h) * SPLITS * G_PAD
-        mx = tl.full([G_PAD], float("-inf"), tl.float32)
-        sm = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
-        for s in range(SPLITS):
-            row = base + s * G_PAD
-            ms = tl.load(m_ptr + row + gs)  # -inf for an empty split: its weight is 0
-            new = tl.maximum(mx, ms)
-            alpha, w = tl.exp2(mx - new), tl.exp2(ms - new)
-            sm = sm * alpha + tl.load(l_ptr + row + gs) * w
-            part = tl.load(part_ptr + (row + gs[:, None]) * D + ds[None, :])
-            acc = acc * alpha[:, None] + part * w[:, None]
-            mx = new
+        acc = tl.load(part_ptr + (base + gs[:, None]) * D + ds[None, :])
+        mx = tl.load(m_ptr + base + gs)
+        sm = tl.load(l_ptr + base + gs)
+        acc, mx, sm = _merge(
+            acc, mx, sm, part_ptr, m_ptr, l_ptr, base + G_PAD, gs, ds, gs >= 0, SPLITS - 1,
+            G_PAD, D,
+        )  # fmt: skip
+        if PRE > 0:
+            start = tl.load(start_ptr + b)
+            acc, mx, sm = _merge(
+                acc, mx, sm, pre_ptr, pm_ptr, pl_ptr, (b * H + h) * PRE * G_PAD, gs, ds,
+                (gs < G) & (start > 0), PRE, G_PAD, D,
+            )  # fmt: skip
         out = o_ptr + b * so_b + h * so_h + gs[:, None] * so_g + ds[None, :]
         tl.store(out, (acc / sm[:, None]).to(o_ptr.dtype.element_ty), gs[:, None] < G)
