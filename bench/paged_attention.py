@@ -157,12 +157,41 @@ def run_case(opts: argparse.Namespace, shape: str) -> dict[str, Any]:
     if why is not None:
         res["triton_skipped"] = why
     ref = variants["dense"]().float()
+    if opts.sweep and why is None:
+        res["sweep"] = sweep(opts, t, scale, blocks, ref)
+    if opts.variants:
+        variants = {k: f for k, f in variants.items() if k in opts.variants.split(",")}
     for name, call in variants.items():
         us, eager = time_variant(call, opts)
         diff = float((call().float() - ref).abs().max())
         res[name] = {"us": us, "eager_us": eager, "live_gbps": round(live / us / 1e3, 1)}
         res[name]["max_abs_diff"] = diff
     return res
+
+
+def sweep(
+    opts: argparse.Namespace, t: dict[str, Any], scale: float, blocks: int, ref: torch.Tensor
+) -> list[dict[str, Any]]:
+    """The plain Triton kernel under every launch setting of --sweep's grid -> one entry
+    each (us per call in a graph), fastest first."""
+    out = []
+    for item in opts.sweep.split(";"):
+        splits, tile, warps, stages = (int(x) for x in item.split(","))
+
+        def call(s: int = splits, ti: int = tile, w: int = warps, st: int = stages) -> Any:
+            return pa.paged_decode_triton(
+                t["q"], t["k"], t["v"], t["table"], t["lengths"], scale, blocks,
+                splits=s or None, tile=ti, warps=w, stages=st or None,
+            )  # fmt: skip
+
+        row: dict[str, Any] = dict(splits=splits, tile=tile, warps=warps, stages=stages)
+        try:
+            row["us"], _ = time_variant(call, opts)
+            row["diff"] = float((call().float() - ref).abs().max())
+        except Exception as e:  # e.g. shared memory out of resources: the setting is out
+            row["us"], row["error"] = float("inf"), f"{type(e).__name__}: {str(e)[:80]}"
+        out.append(row)
+    return sorted(out, key=lambda r: r["us"])
 
 
 def main() -> None:
@@ -178,6 +207,13 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=1, help="rows per prompt (GRPO's n)")
     ap.add_argument("--prefix", type=int, default=0, help="positions a prompt's rows share")
     ap.add_argument("--prefix-splits", type=int, default=sp.PREFIX_SPLITS)
+    ap.add_argument(
+        "--sweep",
+        default="",
+        help="launch settings of the plain Triton kernel to time, ';'-separated "
+        "'splits,tile,warps,stages' (0: the default), e.g. '0,64,4,0;4,64,4,2'",
+    )
+    ap.add_argument("--variants", default="", help="comma list of variants to time (all)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--inner", type=int, default=10, help="calls per timed graph / loop")

@@ -38,7 +38,11 @@ except ImportError:
 
 _DIMS = (64, 128)  # head dims the kernel is tested for
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TILE = 64  # positions per kernel iteration (several blocks when BLK < 64)
+# Positions per kernel iteration (several blocks when BLK < TILE). 128, not 64: measured on
+# an H200 (bench/paged_attention.py --sweep, 256 rows, lengths 200-1200, bf16) Qwen2-0.5B's
+# call went 42.6 -> 33.1 us (64 rows: 13.8 -> 12.3) and Qwen3-0.6B's stayed ~193 us;
+# fewer, longer iterations keep more loads in flight per program.
+_TILE = 128
 _PROGRAMS = 512  # below this many (row, head) programs, split each row's positions
 _MAX_SPLITS = 16
 # A shared prefix's partial softmaxes for the decode kernel to merge (shared_prefix.py):
@@ -107,10 +111,10 @@ def paged_decode(
     return paged_decode_torch(q, k_cache, v_cache, table, lengths, scale, blocks)
 
 
-def default_splits(programs: int, positions: int) -> int:
+def default_splits(programs: int, positions: int, tile: int = _TILE) -> int:
     """Splits of each row's positions: enough (row, head, split) programs to fill the GPU
     when B * Hkv is small, never more splits than tiles. Shapes only: graph-safe."""
-    tiles = max(1, -(-positions // _TILE))
+    tiles = max(1, -(-positions // tile))
     return max(1, min(_MAX_SPLITS, _PROGRAMS // programs, tiles))
 
 
@@ -124,18 +128,23 @@ def paged_decode_triton(
     blocks: int,
     splits: int | None = None,
     prefix: Prefix | None = None,
+    tile: int = _TILE,
+    warps: int = 4,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernel; paged_decode_torch's contract, except that it reads only live
     positions, so `blocks` only sizes the split (lengths must still fit the table,
     lengths <= MB * BLK). `splits`: per-row splits (default: default_splits). `prefix`:
     row b reads only positions starts[b].. and merges the partial softmaxes another
-    kernel left for its first starts[b] positions (shared_prefix.py)."""
+    kernel left for its first starts[b] positions (shared_prefix.py). `tile` (positions
+    per iteration, a power of two >= 16), `warps`, `stages` (Triton's software
+    pipelining; None: its default): launch tuning, for bench/paged_attention.py."""
     why = unsupported(q, k_cache)
     if why is not None:
         raise ValueError(f"paged_decode_triton: {why}")
     b, hkv, g, d = q.shape
     g_pad = max(16, triton.next_power_of_2(g))  # tl.dot wants M >= 16; padded heads masked
-    n = splits or default_splits(b * hkv, blocks * k_cache.shape[2])
+    n = splits or default_splits(b * hkv, blocks * k_cache.shape[2], tile)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, Hkv, G, D] contiguous
     # Split partials: unnormalised acc [B, Hkv, n, G_PAD, D], running max and sum [.., G_PAD].
     part = torch.empty((b, hkv, n, g_pad, d), dtype=torch.float32, device=q.device) if n > 1 else o
@@ -149,7 +158,8 @@ def paged_decode_triton(
         scale * math.log2(math.e),  # the kernel's exponentials are exp2
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0),
         *o.stride()[:3],
-        G=g, G_PAD=g_pad, D=d, BLK=k_cache.shape[2], TILE=_TILE, SPLITS=n, PRE=pre_n,
+        G=g, G_PAD=g_pad, D=d, BLK=k_cache.shape[2], TILE=tile, SPLITS=n, PRE=pre_n,
+        num_warps=warps, **({} if stages is None else {"num_stages": stages}),
     )  # fmt: skip
     if n > 1:
         _combine_kernel[(b, hkv)](

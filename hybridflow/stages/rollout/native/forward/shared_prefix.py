@@ -44,6 +44,7 @@ from hybridflow.stages.rollout.native.forward import paged_attention as pa
 
 MAX_QUERIES = 64  # members * G query heads in one prefix tile (the dot's M)
 PREFIX_SPLITS = 2  # programs per (entry, KV head) over the shared positions
+PREFIX_TILE = 64  # shared positions per prefix-kernel iteration (its M is up to 64 rows)
 # The split pays only when it saves enough: measured on an H200 (bench/RESULTS.md, 256
 # rows, bf16, per layer call), with n = 8 rows sharing 256 positions it was slower than
 # plain paged decode (Qwen2-0.5B 39.9 -> 46.6 us, Qwen3-0.6B 178.9 -> 209.0), at 512
@@ -242,7 +243,8 @@ def cascade_decode_triton(
         scale * math.log2(math.e),
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0),
         members.stride(0),
-        G=g, C=c, G_PAD=g_pad, M_PAD=m_pad, D=d, BLK=k_cache.shape[2], TILE=pa._TILE, PRE=ps,
+        G=g, C=c, G_PAD=g_pad, M_PAD=m_pad, D=d, BLK=k_cache.shape[2], TILE=PREFIX_TILE,
+        PRE=ps,
     )  # fmt: skip
     prefix = (starts, pre, ml[0], ml[1])
     return pa.paged_decode_triton(
