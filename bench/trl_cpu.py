@@ -87,6 +87,41 @@ class StepClock:
         return _Cb()
 
 
+def time_phases(trainer: Any) -> dict[str, list[float]]:
+    """Wrap the trainer's generation (`model.generate`), its whole rollout
+    (`_generate_and_score_completions`: generation, rewards, reference and old log-probs)
+    and its `training_step` (forward + loss + backward of one micro-batch) with wall
+    clocks -> name: seconds per optimizer step (appended once per step)."""
+    out: dict[str, list[float]] = {"generate": [], "rollout": [], "train": []}
+    acc = {k: 0.0 for k in out}
+
+    def wrap(obj: Any, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[key] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+    wrap(trainer.model, "generate", "generate")
+    wrap(trainer, "_generate_and_score_completions", "rollout")
+    wrap(trainer, "training_step", "train")
+    from transformers import TrainerCallback
+
+    class _Flush(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            for k in out:
+                out[k].append(acc[k])
+                acc[k] = 0.0
+
+    trainer.add_callback(_Flush())
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
@@ -130,6 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             processing_class=tok,
             callbacks=[clock.hook()],
         )
+        phases = time_phases(trainer)
         trainer.train()
     periods = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
     timed = periods[1:] or periods
@@ -141,6 +177,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "period_s": round(period, 4),
         "warmup_step_s": round(periods[0], 4),
         "step_s": [round(p, 4) for p in timed],
+        # seconds per step (median over the timed steps) inside TRL's own methods
+        "phases": {k: round(statistics.median(v[1:] or v), 4) for k, v in phases.items()},
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
     }

@@ -21,7 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -72,6 +72,12 @@ class StageContext:
     colocated: dict[str, Role] = field(default_factory=dict)  # role name -> Role, same process
     world: StageWorld = field(default_factory=StageWorld)  # role, ranks, its dataflow ops
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("hybridflow.stage"))
+    # `await compute(fn, *args)`: fn(*args) in the stage's worker thread, the one that runs
+    # the plain ops (the host sets it; None outside a stage process). Where a concurrent
+    # op's heavy part goes when it should not get a thread of its own: on a CPU a second
+    # thread's torch ops ran 15-25% slower once the first had used its OpenMP team
+    # (bench/RESULTS.md, "CPU GRPO against TRL").
+    compute: Callable[..., Awaitable[Any]] | None = None
 
 
 @runtime_checkable

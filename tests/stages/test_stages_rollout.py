@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from stage_helpers import PROMPTS, TOK, make_role, prompt_batch, sequences
@@ -211,3 +213,64 @@ def test_incomplete_or_bad_weight_updates_block_generation():
     rollout.update_weights(actor.named_weights(), version=1)  # a complete update recovers
     out, _ = rollout.handle("generate", prompt_batch(), {})
     assert out["response_ids"].shape[0] == 3
+
+
+# -- calls sent together run as one (rollout/merge.py) -----------------------------------
+
+
+def _together(role, calls):
+    """The calls' generate coroutines awaited together on one loop, as the stage host
+    runs a concurrent op's tasks."""
+    fn = role.bound_op(type(role).op_spec("generate"))
+
+    async def run():
+        return await asyncio.gather(*(fn(b, p) for b, p in calls), return_exceptions=True)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_calls_sent_together_run_as_one_and_each_gets_its_own_result(temperature):
+    n = 1 if temperature == 0 else 3
+    role = make_role(
+        HFRollout,
+        "rollout",
+        {"model": "tiny", "n": n, "max_new_tokens": 6, "temperature": temperature},
+    )
+    # Different prompt widths, so the merged run re-pads them.
+    calls = [
+        (prompt_batch(PROMPTS[:2]), {"step": 2, "mb_id": 0}),
+        (prompt_batch(PROMPTS[2:]), {"step": 2, "mb_id": 1}),
+    ]
+    alone = [role.handle("generate", b, p) for b, p in calls]
+    rounds = role.merger.rounds
+    merged = _together(role, calls)
+    assert role.merger.rounds == rounds + 1  # one forward loop for both
+    for (out, metrics), (ref, ref_metrics) in zip(merged, alone, strict=True):
+        assert metrics["rollout/concurrent_calls"] == 2.0
+        assert ref_metrics["rollout/concurrent_calls"] == 1.0
+        assert set(out) == set(ref)
+        for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_index"):
+            assert torch.equal(out[key], ref[key]), key  # its own seed's draws, its own shape
+        torch.testing.assert_close(out["rollout_logprobs"], ref["rollout_logprobs"])
+
+
+def test_calls_of_other_options_run_apart_and_a_failed_run_fails_its_calls(monkeypatch):
+    role = make_role(HFRollout, "rollout", {"model": "tiny", "n": 2, "max_new_tokens": 4})
+    batch = prompt_batch()
+    rounds = role.merger.rounds
+    outs = _together(role, [(batch, {"mb_id": 0}), (batch, {"mb_id": 1, "n": 1})])
+    assert role.merger.rounds == rounds + 2
+    assert [o[0]["response_ids"].shape[0] for o in outs] == [6, 3]
+
+    def broken(*a, **kw):
+        raise RuntimeError("sampler broke")
+
+    monkeypatch.setattr(role, "_sample", broken)
+    outs = _together(role, [(batch, {"mb_id": 0}), (batch, {"mb_id": 1})])
+    assert all(isinstance(o, RuntimeError) and "sampler broke" in str(o) for o in outs)
+
+
+def test_a_bad_merge_window_names_its_key():
+    with pytest.raises(ConfigError, match="merge_window_ms"):
+        make_role(HFRollout, "rollout", {"model": "tiny", "merge_window_ms": -1})

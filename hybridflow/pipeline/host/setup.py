@@ -91,7 +91,9 @@ async def set_up(
             roles[name] = create_role(rc.kind_of(name), rc.backend)
         for name, rc in cfg.roles.items():
             part = name
-            await worker.call(roles[name].setup, _context(spec, topo, roles, name, rc, device))
+            ctx = _context(spec, topo, roles, name, rc, device)
+            ctx.compute = worker.call  # a concurrent op's compute in the plain ops' thread
+            await worker.call(roles[name].setup, ctx)
         for sync in adapter_syncs(topo):  # rollouts fed a LoRA actor's adapters hold them
             for name in (t for t in sync.targets if t in roles):
                 part = name

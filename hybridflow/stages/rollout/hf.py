@@ -42,6 +42,16 @@ the runtime passes them (it does, as reserved params), else from (seed, call cou
 micro-batch's samples do not depend on which replica ran it or what ran before; the
 replica index is deliberately not part of the seed.
 
+Batching across micro-batches: `generate` is a concurrent op. It checks a call on the
+stage's loop (where seeds are drawn, in arrival order), then hands it to a CallMerger
+(rollout/merge.py). Calls with the same sampling options that arrive within
+`merge_window_ms` of the first, or wait behind a running one, decode as one forward loop
+in the stage's worker thread. Each call's rows still draw from the call's own generator,
+so its samples are those of running it alone (up to float rounding of the wider batch).
+Each call gets back its own rows, cut to its own longest response. Multi-turn calls run
+alone. Measured on the 2-core CPU machine, GRPO with 2 micro-batches of 32: the rollout
+phase went from 0.42-0.47 s to 0.29-0.36 s (bench/RESULTS.md).
+
 Invariants: generation never runs on a partially written model (an update in progress or
 one that failed makes `generate` raise until a complete update succeeds); the model is
 never trained here (no grad); outputs are CPU tensors.
@@ -70,6 +80,7 @@ from hybridflow.stages.common import (
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.rollout.adapters import AdapterWeights, hold
+from hybridflow.stages.rollout.merge import CallMerger
 from hybridflow.stages.rollout.multiturn import (
     TrajectoryLoop,
     TurnOutput,
@@ -78,6 +89,7 @@ from hybridflow.stages.rollout.multiturn import (
     trajectory_records,
 )
 from hybridflow.stages.rollout.state import (
+    _SAMPLING_OVERRIDES,
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
     GENERATE_PARAMS,
@@ -106,6 +118,7 @@ class HFRollout(RolloutState, RoleBase):
         self.policy_version: int | None = None
         self.weights: InPlaceWeights | None = None
         self.loop: TrajectoryLoop | None = None
+        self.merger: CallMerger[_Call, tuple[Batch, Metrics]] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def setup(self, ctx: StageContext) -> None:
@@ -138,6 +151,9 @@ class HFRollout(RolloutState, RoleBase):
             self.eos_ids,
             getattr(self.model.config, "max_position_embeddings", None),
         )
+        self.merger = CallMerger(
+            self._generate_calls, opts.merge_window_ms / 1e3, "hf-rollout", ctx.compute
+        )
 
     def hold_adapters(self, lora: Mapping[str, Any], seed: int) -> None:
         """Hold a LoRA actor's adapters unmerged (rollout/adapters.py): wrap the model with
@@ -146,6 +162,9 @@ class HFRollout(RolloutState, RoleBase):
         self.weights = AdapterWeights(self.model)
 
     def close(self) -> None:
+        if self.merger is not None:
+            self.merger.close()
+            self.merger = None
         self.model = None
         self.weights = None
         if self.loop is not None:
@@ -164,58 +183,76 @@ class HFRollout(RolloutState, RoleBase):
         """No-op here, see `sleep`."""
         return {}, {"rollout/wake_skipped": 1.0}
 
-    @op(inputs=GENERATE_INPUTS, outputs=GENERATE_OUTPUTS, params=GENERATE_PARAMS)
-    def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+    @op(inputs=GENERATE_INPUTS, outputs=GENERATE_OUTPUTS, params=GENERATE_PARAMS, concurrent=True)
+    async def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
+        """Checked here, on the loop, in arrival order (seeds follow the call count); run
+        in the stage's worker thread, merged with the calls sent with it (merge.py)."""
         opts = self._call_options(params)
         where = "hf rollout generate"
         self._sink().ready(where)
         require(batch, ("prompt_ids", "prompt_mask"), where)
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
         self._check_prompts(prompt_ids, prompt_mask, opts, where)
-        seed = self._call_seed(params)
-        ids = prompt_ids.repeat_interleave(opts.n, dim=0)  # [B*n, P]
-        mask = prompt_mask.to(torch.int64).repeat_interleave(opts.n, dim=0)
-        group_index = torch.arange(prompt_ids.shape[0]).repeat_interleave(opts.n)  # [B*n]
-        if self.loop is not None:
-            return self._generate_trajectories(batch, ids, mask, group_index, opts, seed)
-        gen = torch.Generator(device=self.device).manual_seed(seed)
+        call = _Call(batch, opts, self._call_seed(params))
+        assert self.merger is not None
+        if self.loop is not None:  # trajectories: turn by turn, alone
+            return await self.merger.call(self._generate_trajectories, call)
+        key = tuple(getattr(opts, k) for k in _SAMPLING_OVERRIDES)
+        return await self.merger.submit(key, call)
+
+    def _generate_calls(self, calls: list[_Call]) -> list[tuple[Batch, Metrics]]:
+        """Calls of the same sampling options as one forward loop over all their rows;
+        each call's rows still draw from its own generator (the draws of a call are
+        those of running it alone), and each gets its own outputs back."""
+        self._sink().ready("hf rollout generate")
+        opts = calls[0].opts
+        rows = [c.rows for c in calls]  # [B_i * n] per call
+        if len(calls) == 1:  # as sent: no re-padding
+            ids, mask = calls[0].ids, calls[0].mask
+        else:
+            ids, mask = pad_left([r for c in calls for r in unpad(c.ids, c.mask)], self.pad_id)
+        gens = [torch.Generator(device=self.device).manual_seed(c.seed) for c in calls]
+        owner = torch.repeat_interleave(torch.arange(len(calls)), torch.tensor(rows))  # [N]
         t0 = time.perf_counter()
         parts = [
             self._sample(
-                ids[rows].to(self.device, torch.int64), mask[rows].to(self.device), opts, gen
+                ids[part].to(self.device, torch.int64),
+                mask[part].to(self.device),
+                opts,
+                _spans(owner[part], gens),
             )
-            for rows in row_chunks(ids.shape[0], opts.max_batch_size)
+            for part in row_chunks(ids.shape[0], opts.max_batch_size)
         ]
         gen_s = time.perf_counter() - t0
         width = max(p[0].shape[1] for p in parts)
-        response_ids = torch.cat([_pad_to(p[0], width, self.pad_id) for p in parts])  # [B*n, R]
-        logprobs = torch.cat([_pad_to(p[1], width, 0.0) for p in parts])  # [B*n, R]
-        lengths = torch.cat([p[2] for p in parts])  # [B*n]
-        response_mask = (torch.arange(width)[None, :] < lengths[:, None]).to(torch.int64)
-        tokens = int(lengths.sum())
-        out = {
-            "prompt_ids": ids,
-            "prompt_mask": mask,
-            "response_ids": response_ids,
-            "response_mask": response_mask,
-            "rollout_logprobs": logprobs,
-            "group_index": group_index,
-        }
-        return out, self._generate_metrics(gen_s, tokens, ids.shape[0])
+        response_ids = torch.cat([_pad_to(p[0], width, self.pad_id) for p in parts])  # [N, R]
+        logprobs = torch.cat([_pad_to(p[1], width, 0.0) for p in parts])  # [N, R]
+        lengths = torch.cat([p[2] for p in parts])  # [N]
+        out, start = [], 0
+        for c, n in zip(calls, rows, strict=True):
+            got = lengths[start : start + n]
+            w = max(1, int(got.max()))  # the call's own longest response, as if alone
+            metrics = self._generate_metrics(gen_s * n / len(owner), int(got.sum()), n)
+            metrics["rollout/concurrent_calls"] = float(len(calls))  # sharing its loop
+            batch = {
+                "prompt_ids": c.ids,
+                "prompt_mask": c.mask,
+                "response_ids": response_ids[start : start + n, :w],
+                "response_mask": (torch.arange(w)[None, :] < got[:, None]).to(torch.int64),
+                "rollout_logprobs": logprobs[start : start + n, :w],
+                "group_index": c.group_index,
+            }
+            out.append((batch, metrics))
+            start += n
+        return out
 
-    def _generate_trajectories(
-        self,
-        batch: Batch,
-        ids: torch.Tensor,  # [N, P] the prompts, repeated n times
-        mask: torch.Tensor,  # [N, P]
-        group_index: torch.Tensor,  # [N]
-        opts: HFRolloutOptions,
-        seed: int,
-    ) -> tuple[Batch, Metrics]:
+    def _generate_trajectories(self, call: _Call) -> tuple[Batch, Metrics]:
         """`generate` with an environment: one trajectory per row (multiturn.py)."""
         assert self.loop is not None
+        batch, ids, mask, opts = call.batch, call.ids, call.mask, call.opts
+        group_index = call.group_index
         records = trajectory_records(batch, opts.n, "hf rollout generate")
-        engine = _HFTurns(self, opts, seed)
+        engine = _HFTurns(self, opts, call.seed)
         t0 = time.perf_counter()
         result = aio.run(self.loop.run(engine, unpad(ids, mask), records, opts.max_new_tokens))
         wall_s = time.perf_counter() - t0
@@ -245,7 +282,7 @@ class HFRollout(RolloutState, RoleBase):
         ids: torch.Tensor,  # [N, P] left-padded
         mask: torch.Tensor,  # [N, P]
         opts: HFRolloutOptions,
-        gen: torch.Generator,
+        gens: list[tuple[torch.Generator, slice]],  # who draws the rows of each span
         limits: torch.Tensor | None = None,  # [N] tokens each row may take (<= max_new_tokens)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> tokens [N, T] (pad after the end), logprobs [N, T], lengths [N] (all CPU)."""
@@ -260,7 +297,9 @@ class HFRollout(RolloutState, RoleBase):
         lengths = torch.zeros(n, dtype=torch.int64, device=self.device)
         tokens, logprobs = [], []
         for t in range(opts.max_new_tokens):
-            tok, lp = _pick(logits, opts, gen)
+            picked = [_pick(logits[rows], opts, gen) for gen, rows in gens]
+            tok = torch.cat([t for t, _ in picked]) if len(picked) > 1 else picked[0][0]
+            lp = torch.cat([x for _, x in picked]) if len(picked) > 1 else picked[0][1]
             tok = torch.where(finished, self.pad_id, tok)
             lp = torch.where(finished, 0.0, lp)
             tokens.append(tok)
@@ -313,6 +352,28 @@ def _pick(
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
+class _Call:
+    """One generate call, checked: its batch, options and seed; its prompts repeated n
+    times (ids, mask [B*n, P]) and each row's prompt (group_index [B*n])."""
+
+    def __init__(self, batch: Batch, opts: HFRolloutOptions, seed: int) -> None:
+        self.batch, self.opts, self.seed = batch, opts, seed
+        b = batch["prompt_ids"].shape[0]
+        self.ids = batch["prompt_ids"].repeat_interleave(opts.n, dim=0)
+        self.mask = batch["prompt_mask"].to(torch.int64).repeat_interleave(opts.n, dim=0)
+        self.group_index = torch.arange(b).repeat_interleave(opts.n)
+        self.rows = b * opts.n
+
+
+def _spans(owner: torch.Tensor, gens: list[torch.Generator]) -> list[tuple[torch.Generator, slice]]:
+    """owner [N] (each row's call, non-decreasing) -> (that call's generator, its rows)."""
+    out, start = [], 0
+    for call, count in zip(*torch.unique_consecutive(owner, return_counts=True), strict=True):
+        out.append((gens[int(call)], slice(start, start + int(count))))
+        start += int(count)
+    return out
+
+
 def _pad_to(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
     if t.shape[1] == width:
         return t
@@ -348,7 +409,7 @@ class _HFTurns:
                 ids[rows].to(r.device),
                 mask[rows].to(r.device),
                 opts,
-                gen,
+                [(gen, slice(None))],
                 limits[rows].to(r.device),
             )
             for b in range(tokens.shape[0]):

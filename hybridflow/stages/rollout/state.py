@@ -51,6 +51,10 @@ class HFRolloutOptions(ModelOptions):
     pad_token_id: int | None = None  # None: the tokenizer's pad id
     seed: int | None = None  # None: the run seed
     max_batch_size: int = 0  # rows generated together (0: the whole micro-batch)
+    # hf only (the native and vllm engines batch continuously): the first generate call
+    # of a round waits this long for the calls sent with it, and all of them run as one
+    # forward loop (rollout/merge.py), as do calls queued behind a running one
+    merge_window_ms: float = 2.0
     # multi-turn (module docstring); every one is ignored while `env` is ""
     env: str = ""
     env_options: dict[str, Any] = field(default_factory=dict)
@@ -81,6 +85,8 @@ class HFRolloutOptions(ModelOptions):
             raise bad("n", f"must be >= 1, got {self.n}")
         if self.temperature == 0 and self.n > 1:
             raise bad("n", f"greedy decoding (temperature 0) gives {self.n} identical samples")
+        if not 0 <= self.merge_window_ms <= 1000:
+            raise bad("merge_window_ms", f"must be in [0, 1000] ms, got {self.merge_window_ms}")
 
     def _validate_env(self, path: str, bad: Any) -> None:
         """The multi-turn keys: syntax and names only (the environment's class is not
