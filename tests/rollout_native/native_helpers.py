@@ -57,3 +57,18 @@ def ctx(options: dict[str, Any], device: str = "cpu") -> StageContext:
         run_dir=Path("."),
         options={**base, **options},
     )
+
+
+def capture(call: Any) -> tuple[Any, Any]:
+    """`call()` captured in a CUDA graph -> (graph, the output tensors it writes), after
+    one warm-up run (Triton compiles, allocators settle) on a side stream, off the
+    capture, as the engine does."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out

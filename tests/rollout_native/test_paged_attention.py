@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
+from native_helpers import capture
 
 from hybridflow.stages.rollout.native.forward.paged_attention import (
     paged_decode,
@@ -215,15 +216,7 @@ def test_graph_replay_follows_lengths_and_table_rewritten_in_place(path: str) ->
     fn = paged_decode_triton if path == "triton" else paged_decode_torch
     c = cuda_case(7, 64, torch.bfloat16, lengths=LONG)
     new = cuda_case(7, 64, torch.bfloat16, lengths=LONG[::-1], seed=1)
-    call = lambda: fn(c.q, c.k, c.v, c.table, c.lengths, c.scale, BLOCKS)  # noqa: E731
-    stream = torch.cuda.Stream()  # warm up (compile) off the capture, as the engine does
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture(lambda: fn(c.q, c.k, c.v, c.table, c.lengths, c.scale, BLOCKS))
     for x, y in zip(c[:5], new[:5], strict=True):
         x.copy_(y)  # same shapes: another batch's queries, blocks, table and lengths
     graph.replay()

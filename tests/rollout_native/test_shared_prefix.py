@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from native_helpers import capture
 
 from hybridflow.stages.rollout.native.forward.paged_attention import paged_decode_torch
 from hybridflow.stages.rollout.native.forward.shared_prefix import (
@@ -227,15 +228,7 @@ def test_graph_replay_follows_groups_rewritten_in_place() -> None:
     needs_triton()
     c, new = cuda_case(7, 64, torch.bfloat16), cuda_case(7, 64, torch.bfloat16, seed=1)
     groups, new_groups = groups_of(c, 9), groups_of(new, 9)
-    call = lambda: split(c, groups, cascade_decode_triton)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture(lambda: split(c, groups, cascade_decode_triton))
     for x, y in zip(
         [c.q, c.k, c.v, c.table, c.lengths, *groups], [*new[:5], *new_groups], strict=True
     ):
