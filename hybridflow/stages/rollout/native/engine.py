@@ -36,22 +36,20 @@ import itertools
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
 
 from hybridflow.errors import BatchError
 from hybridflow.stages.rollout.native.forward.model import NativeModel, prompt_logits
-from hybridflow.stages.rollout.native.forward.shared_prefix import members_per_entry
 from hybridflow.stages.rollout.native.graphs import (
     DecodeGraphs,
     default_buckets,
     default_lengths,
     pick,
 )
-from hybridflow.stages.rollout.native.kv_cache import SlotCache, round_up
-from hybridflow.stages.rollout.native.paged import PagedCache
+from hybridflow.stages.rollout.native.kv_cache import round_up
+from hybridflow.stages.rollout.native.paged import PagedCache, make_cache
 from hybridflow.stages.rollout.native.request import (
     EngineConfig,
     Request,
@@ -94,29 +92,8 @@ class NativeEngine:
         if compiled:
             self._uniform = torch.compile(row_uniform, dynamic=True, fullgraph=True)
         self.compile_error: str | None = None  # why a compile_decode fell back to eager
-        block = config.kv_block_size
-        share = members_per_entry(self.model.groups) if block and config.shared_prefix else 0
-        layout: Any = SlotCache
-        if block:
-            layout = partial(
-                PagedCache,
-                block_size=block,
-                prefix_rows=share if share > 1 else 0,
-                prefix_min_saved=config.shared_prefix_min_saved,
-            )
-        self.cache = layout(
-            layers=len(self.model.layers),
-            kv_heads=self.model.num_kv_heads,
-            head_dim=self.model.head_dim,
-            max_len=config.max_model_len,
-            dtype=self.model.dtype,
-            device=self.device,
-            budget_gb=config.kv_cache_gb,
-            max_slots=config.max_num_seqs,
-            stop_width=config.max_stop_ids,
-            path=path,
-        )
-        self.paged: PagedCache | None = self.cache if block else None
+        self.cache = make_cache(self.model, config, path)
+        self.paged = self.cache if isinstance(self.cache, PagedCache) else None
         self.num_slots = self.cache.num_slots
         self.scheduler = Scheduler(self.num_slots)
         slot_len = self.cache.max_len

@@ -32,7 +32,7 @@ through `read` (a gather), as on the slot layout.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,11 +44,43 @@ from hybridflow.stages.rollout.native.forward.paged_attention import (
 from hybridflow.stages.rollout.native.forward.shared_prefix import (
     cascade_decode,
     group_tensors,
+    members_per_entry,
     prefix_groups,
     saved_positions,
 )
 from hybridflow.stages.rollout.native.kv_cache import GIB, DecodeMeta, SlotCache
 from hybridflow.stages.rollout.native.scheduler import Blocks
+
+if TYPE_CHECKING:
+    from hybridflow.stages.rollout.native.forward.model import NativeModel
+    from hybridflow.stages.rollout.native.request import EngineConfig
+
+
+def make_cache(model: NativeModel, config: EngineConfig, path: str) -> SlotCache:
+    """The engine's KV layout for `model` (forward/model.NativeModel) under `config`
+    (request.EngineConfig): slots, or paged blocks when kv_block_size > 0, whose prompt
+    groups hold as many rows as fill one prefix tile (1 or fewer: no split)."""
+    kw: dict[str, Any] = dict(
+        layers=len(model.layers),
+        kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        max_len=config.max_model_len,
+        dtype=model.dtype,
+        device=model.device,
+        budget_gb=config.kv_cache_gb,
+        max_slots=config.max_num_seqs,
+        stop_width=config.max_stop_ids,
+        path=path,
+    )
+    if not config.kv_block_size:
+        return SlotCache(**kw)
+    share = members_per_entry(model.groups) if config.shared_prefix else 0
+    return PagedCache(
+        block_size=config.kv_block_size,
+        prefix_rows=share if share > 1 else 0,
+        prefix_min_saved=config.shared_prefix_min_saved,
+        **kw,
+    )
 
 
 def block_bytes(layers: int, kv_heads: int, head_dim: int, block: int, itemsize: int) -> int:
