@@ -26,7 +26,12 @@ The scheduler's admission control (`Blocks`) keeps `place` from running short.
 
 Attention: `paged_attention.paged_decode` (a Triton kernel that reads only live blocks on
 CUDA, a gather + SDPA elsewhere); prefill and extend write through `address` and read
-through `read` (a gather), as on the slot layout.
+through `read` (a gather), as on the slot layout. With `prefix_rows` > 0, every change of
+sharing (transfer, collect, place; not grow, which adds private blocks) recomputes the
+prompt groups at the next `sync` (forward/shared_prefix.prefix_groups, written into the
+device tensors starts / members / spans), and the policy decides `cascade`: decode goes
+through the shared-prefix split while it saves at least `prefix_min_saved` positions per
+slot holding blocks.
 """
 
 from __future__ import annotations
