@@ -6,9 +6,9 @@ cache positions -> logits[:b], in attention variant v: 0 plain, 1 the paged cach
 shared-prefix split) and `sample(b, truncate)` (sampler + record for rows 0..b-1).
 Produces, per batch bucket b, one graph of `forward(b, n, v)` per length bucket n and
 variant v and two of `sample(b, .)` (without and with top-k/top-p), all in one memory
-pool (they never run concurrently, so they can share it). A batch of B live rows whose positions are below N
-replays batch bucket >= B and length bucket >= N, the smallest of each; rows B..bucket-1
-are padding that write only into their own free slots (SlotCache.record clamps them).
+pool (they never run concurrently, so they can share it). A batch of B live rows whose
+positions are below N replays batch bucket >= B and length bucket >= N, the smallest of
+each; rows B..bucket-1 are padding that write only into their own free slots (SlotCache.record clamps them).
 Length buckets exist because decode attention costs what it reads: a slot holds
 max_prompt_len + max_new_tokens positions, most of them not written yet for most of a
 rollout, and with many KV heads (Qwen3: 8 x 128) reading them all dominated the step.

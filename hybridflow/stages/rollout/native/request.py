@@ -165,6 +165,11 @@ def check_config(config: EngineConfig, path: str) -> None:
         raise bad("decode_lengths", f"must be >= 1, got {list(config.decode_lengths)}")
     if config.max_prefill_tokens < 1:
         raise bad("max_prefill_tokens", f"must be >= 1, got {config.max_prefill_tokens}")
+    if config.shared_prefix_min_saved < 0:
+        raise bad(
+            "shared_prefix_min_saved",
+            f"must be >= 0 (0: always), got {config.shared_prefix_min_saved}",
+        )
     if config.kv_block_size < 0 or config.kv_block_size % 16:
         raise bad(
             "kv_block_size",
