@@ -8,8 +8,8 @@ Produces, per batch bucket b, one graph of `forward(b, n, v)` per length bucket 
 variant v and two of `sample(b, .)` (without and with top-k/top-p), all in one memory
 pool (they never run concurrently, so they can share it). A batch of B live rows whose
 positions are below N replays batch bucket >= B and length bucket >= N, the smallest of
-each; rows B..bucket-1 are padding that write only into their own free slots (SlotCache.record clamps them).
-Length buckets exist because decode attention costs what it reads: a slot holds
+each; rows B..bucket-1 are padding that write only into their own free slots
+(SlotCache.record clamps them). Length buckets exist because decode attention costs what it reads: a slot holds
 max_prompt_len + max_new_tokens positions, most of them not written yet for most of a
 rollout, and with many KV heads (Qwen3: 8 x 128) reading them all dominated the step.
 
