@@ -89,10 +89,10 @@ from hybridflow.stages.rollout.multiturn import (
     trajectory_records,
 )
 from hybridflow.stages.rollout.state import (
-    _SAMPLING_OVERRIDES,
     GENERATE_INPUTS,
     GENERATE_OUTPUTS,
     GENERATE_PARAMS,
+    SAMPLING_OVERRIDES,
     HFRolloutOptions,
     RolloutState,
     check_prompts,
@@ -197,7 +197,7 @@ class HFRollout(RolloutState, RoleBase):
         assert self.merger is not None
         if self.loop is not None:  # trajectories: turn by turn, alone
             return await self.merger.call(self._generate_trajectories, call)
-        key = tuple(getattr(opts, k) for k in _SAMPLING_OVERRIDES)
+        key = tuple(getattr(opts, k) for k in SAMPLING_OVERRIDES)
         return await self.merger.submit(key, call)
 
     def _generate_calls(self, calls: list[_Call]) -> list[tuple[Batch, Metrics]]:

@@ -111,7 +111,7 @@ class HFRolloutOptions(ModelOptions):
                 )
 
 
-_SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "n")
+SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "max_new_tokens", "n")
 
 
 # The `load_weights` op's params. last/version: set per bucket by the stage host;
@@ -185,7 +185,7 @@ class RolloutState:
                 f"{self.backend_name} rollout: env {self.opts.env!r} is set, but this backend "
                 "does not run environments yet; use backend: hf for multi-turn rollouts"
             )
-        given = {k: params[k] for k in _SAMPLING_OVERRIDES if params.get(k) is not None}
+        given = {k: params[k] for k in SAMPLING_OVERRIDES if params.get(k) is not None}
         merged = replace(self.opts, **given)
         try:
             merged.validate("params")
@@ -235,7 +235,7 @@ GENERATE_OUTPUTS = (
 MULTI_TURN_OUTPUTS = ("env_reward", "num_turns")
 # The dataflow `params:` each rollout op reads (a per-call override of the sampling
 # options, a fixed seed; a weight bucket's `last`/`version`); other keys are typos.
-GENERATE_PARAMS = (*_SAMPLING_OVERRIDES, "seed")
+GENERATE_PARAMS = (*SAMPLING_OVERRIDES, "seed")
 
 
 def check_prompts(
