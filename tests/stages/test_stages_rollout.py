@@ -235,7 +235,13 @@ def test_calls_sent_together_run_as_one_and_each_gets_its_own_result(temperature
     role = make_role(
         HFRollout,
         "rollout",
-        {"model": "tiny", "n": n, "max_new_tokens": 6, "temperature": temperature},
+        {
+            "model": "tiny",
+            "n": n,
+            "max_new_tokens": 6,
+            "temperature": temperature,
+            "merge_window_ms": 2.0,
+        },
     )
     # Different prompt widths, so the merged run re-pads them.
     calls = [
@@ -256,7 +262,8 @@ def test_calls_sent_together_run_as_one_and_each_gets_its_own_result(temperature
 
 
 def test_calls_of_other_options_run_apart_and_a_failed_run_fails_its_calls(monkeypatch):
-    role = make_role(HFRollout, "rollout", {"model": "tiny", "n": 2, "max_new_tokens": 4})
+    opts = {"model": "tiny", "n": 2, "max_new_tokens": 4, "merge_window_ms": 2.0}
+    role = make_role(HFRollout, "rollout", opts)
     batch = prompt_batch()
     rounds = role.merger.rounds
     outs = _together(role, [(batch, {"mb_id": 0}), (batch, {"mb_id": 1, "n": 1})])
@@ -269,6 +276,21 @@ def test_calls_of_other_options_run_apart_and_a_failed_run_fails_its_calls(monke
     monkeypatch.setattr(role, "_sample", broken)
     outs = _together(role, [(batch, {"mb_id": 0}), (batch, {"mb_id": 1})])
     assert all(isinstance(o, RuntimeError) and "sampler broke" in str(o) for o in outs)
+
+
+def test_by_default_calls_sent_together_run_alone_bit_for_bit(rollout):
+    """Merging off (the default): each call its own loop, so outputs are bit-identical
+    to running it alone, whatever arrives with it (what resumes rely on)."""
+    calls = [
+        (prompt_batch(PROMPTS[:2]), {"step": 3, "mb_id": 0}),
+        (prompt_batch(), {"step": 3, "mb_id": 1}),
+    ]
+    alone = [rollout.handle("generate", b, p) for b, p in calls]
+    rounds = rollout.merger.rounds
+    for (out, metrics), (ref, _) in zip(_together(rollout, calls), alone, strict=True):
+        assert metrics["rollout/concurrent_calls"] == 1.0
+        assert all(torch.equal(out[k], ref[k]) for k in ref)
+    assert rollout.merger.rounds == rounds
 
 
 def test_a_bad_merge_window_names_its_key():

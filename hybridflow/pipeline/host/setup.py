@@ -92,7 +92,7 @@ async def set_up(
         for name, rc in cfg.roles.items():
             part = name
             ctx = _context(spec, topo, roles, name, rc, device)
-            ctx.compute = worker.call  # a concurrent op's compute in the plain ops' thread
+            ctx.compute = worker.compute  # a concurrent op's compute in the plain ops' thread
             await worker.call(roles[name].setup, ctx)
         for sync in adapter_syncs(topo):  # rollouts fed a LoRA actor's adapters hold them
             for name in (t for t in sync.targets if t in roles):

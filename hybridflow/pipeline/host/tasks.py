@@ -31,7 +31,7 @@ from hybridflow.pipeline.checkpoint import stage as checkpoint
 from hybridflow.pipeline.host.dispatch import Dispatcher, Mode
 from hybridflow.pipeline.host.failures import CONTROL, failure, interrupted
 from hybridflow.pipeline.host.weight_sync import StageWeightSync, Via
-from hybridflow.pipeline.host.worker import Worker
+from hybridflow.pipeline.host.worker import Worker, current_task
 from hybridflow.stages.base import Role
 from hybridflow.stages.contract import OpSpec, Scope
 from hybridflow.transport.channel import Received
@@ -160,7 +160,11 @@ class TaskRunner:
                 method = role.bound_op(spec)
                 if spec.concurrent:
                     self.worker.started(task.task_id)
-                    outputs, metrics = await method(batch, params)
+                    token = current_task.set(task.task_id)
+                    try:
+                        outputs, metrics = await method(batch, params)
+                    finally:
+                        current_task.reset(token)
                 else:
                     outputs, metrics = await self.worker.call(
                         method, batch, params, task_id=task.task_id

@@ -13,9 +13,14 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any
 
 from hybridflow.transport.liveness import Progress
+
+# The Task a concurrent op's coroutine serves (the task runner sets it around the await),
+# so what that op hands to the thread (`compute`) is timed as the task's own run.
+current_task: ContextVar[int | None] = ContextVar("current_task", default=None)
 
 
 class Worker:
@@ -47,6 +52,11 @@ class Worker:
             return await asyncio.get_running_loop().run_in_executor(self._pool, run)
         finally:
             self.busy = False
+
+    async def compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """StageContext.compute: `fn(*args)` in the thread, timed as the current Task's
+        (its wait for the thread excluded, as a plain op's)."""
+        return await self.call(fn, *args, task_id=current_task.get())
 
     # -- the ledger ----------------------------------------------------------------------
     def hold(self, task_id: int) -> None:

@@ -42,15 +42,18 @@ the runtime passes them (it does, as reserved params), else from (seed, call cou
 micro-batch's samples do not depend on which replica ran it or what ran before; the
 replica index is deliberately not part of the seed.
 
-Batching across micro-batches: `generate` is a concurrent op. It checks a call on the
-stage's loop (where seeds are drawn, in arrival order), then hands it to a CallMerger
-(rollout/merge.py). Calls with the same sampling options that arrive within
-`merge_window_ms` of the first, or wait behind a running one, decode as one forward loop
-in the stage's worker thread. Each call's rows still draw from the call's own generator,
-so its samples are those of running it alone (up to float rounding of the wider batch).
+Batching across micro-batches (`merge_window_ms` > 0; off by default): `generate` is a
+concurrent op. It checks a call on the stage's loop (where seeds are drawn, in arrival
+order), then hands it to a CallMerger (rollout/merge.py). Calls with the same sampling
+options that arrive within `merge_window_ms` of the first, or wait behind a running one,
+decode as one forward loop in the stage's worker thread. Each call's rows still draw from
+the call's own generator, so its samples are those of running it alone, up to float
+rounding of the wider batch. That rounding, and arrival times deciding who shares a
+loop, are why it is off by default: runs and resumes stay bit-identical without it.
 Each call gets back its own rows, cut to its own longest response. Multi-turn calls run
 alone. Measured on the 2-core CPU machine, GRPO with 2 micro-batches of 32: the rollout
-phase went from 0.42-0.47 s to 0.29-0.36 s (bench/RESULTS.md).
+phase went from 0.42-0.47 s to 0.29-0.36 s (bench/RESULTS.md). Off, every call runs alone
+in the worker thread, in arrival order.
 
 Invariants: generation never runs on a partially written model (an update in progress or
 one that failed makes `generate` raise until a complete update succeeds); the model is
@@ -197,6 +200,9 @@ class HFRollout(RolloutState, RoleBase):
         assert self.merger is not None
         if self.loop is not None:  # trajectories: turn by turn, alone
             return await self.merger.call(self._generate_trajectories, call)
+        if not self.merger.window_s:  # merging off: alone, bit-reproducible
+            ((out, metrics),) = await self.merger.call(self._generate_calls, [call])
+            return out, metrics
         key = tuple(getattr(opts, k) for k in SAMPLING_OVERRIDES)
         return await self.merger.submit(key, call)
 

@@ -51,10 +51,13 @@ class HFRolloutOptions(ModelOptions):
     pad_token_id: int | None = None  # None: the tokenizer's pad id
     seed: int | None = None  # None: the run seed
     max_batch_size: int = 0  # rows generated together (0: the whole micro-batch)
-    # hf only (the native and vllm engines batch continuously): the first generate call
-    # of a round waits this long for the calls sent with it, and all of them run as one
-    # forward loop (rollout/merge.py), as do calls queued behind a running one
-    merge_window_ms: float = 2.0
+    # hf only (the native and vllm engines batch continuously). > 0: the first generate
+    # call of a round waits this long for the calls sent with it, and all of them run as
+    # one forward loop (rollout/merge.py), as do calls queued behind a running one; faster
+    # (2: the CPU GRPO step 0.85-0.9x -> 0.97-0.99x TRL, bench/RESULTS.md), but which calls
+    # share a loop depends on arrival times, and a wider batch rounds differently, so runs
+    # (and resumes) are no longer bit-identical. 0: every call alone, in arrival order
+    merge_window_ms: float = 0.0
     # multi-turn (module docstring); every one is ignored while `env` is ""
     env: str = ""
     env_options: dict[str, Any] = field(default_factory=dict)
