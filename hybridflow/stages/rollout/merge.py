@@ -6,12 +6,14 @@ engines batch them continuously. A transformers forward loop cannot: a call deco
 rows to the end, alone. Run one after another, M calls of B rows pay the decode loop's
 per-step cost M times. On the 2-core CPU machine a step of 2 x 32 rows took 0.42-0.47 s
 of rollout against 0.33 s for one call of 64 (bench/RESULTS.md). Here calls that are
-queued together run as one forward loop over all their rows:
+queued together run as one forward loop over all their rows. Opt-in (`merge_window_ms`
+> 0): which calls share a loop depends on arrival times and a wider batch rounds
+differently, so a run with it is not bit-identical to another.
 
     submit(key, item)   from the event loop (a concurrent op): queue the call and await
                         its own result. The first call of a round waits `window_s` for
                         the ones sent with it. Then every queued call of its key runs as
-                        one `run([items])` in the merger's thread. Calls arriving during
+                        one `run([items])` in its thread (below). Calls arriving during
                         that run make the next round.
     call(fn, *args)     run something alone in the same thread (a call that cannot merge)
 
