@@ -78,12 +78,8 @@ def layouts(opts: argparse.Namespace, hkv: int, g: int, d: int) -> dict[str, Any
     owned = [table[r, : int(used[r])].tolist() for r in range(b)]
     out = dict(q=q, slot_k=slot_k, slot_v=slot_v, mask=mask, k=k, v=v, table=table, lengths=lengths)
     res = {name: t.cuda() for name, t in out.items()}
-    refs = [0] * nb
-    for row in owned:
-        for blk_id in row:
-            refs[blk_id] += 1
     cap = sp.members_per_entry(g)
-    starts, entries = sp.prefix_groups(owned, refs, blk, cap)
+    starts, entries = sp.prefix_groups(owned, None, blk, cap)
     groups = sp.group_tensors(starts, entries, b, cap)
     res.update(zip(("starts", "members", "spans"), (x.cuda() for x in groups), strict=True))
     # positions the cascade reads: each entry's shared ones once, every row's own ones

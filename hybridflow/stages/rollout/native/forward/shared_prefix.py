@@ -37,6 +37,8 @@ cascade_decode         the Triton path on CUDA where it applies, else the torch 
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -68,13 +70,15 @@ def saved_positions(entries: list[tuple[list[int], int]]) -> int:
 
 def prefix_groups(
     owned: list[list[int]],  # per slot its blocks, in position order
-    refs: list[int],  # per block the slots holding it
+    refs: Sequence[int] | Mapping[int, int] | None,  # block -> slots holding it (None: count)
     block: int,
     cap: int,  # C: most member rows per entry
 ) -> tuple[dict[int, int], list[tuple[list[int], int]]]:
     """Rows whose leading blocks are the same shared blocks -> (starts: slot -> shared
     positions, entries: (member slots, shared positions)). A group larger than `cap`
     is cut into near-equal entries (a one-row entry is correct, it only saves nothing)."""
+    if refs is None:
+        refs = Counter(b for blocks in owned for b in blocks)
     by_first: dict[int, list[int]] = {}
     for s, blocks in enumerate(owned):
         if blocks and refs[blocks[0]] > 1:
