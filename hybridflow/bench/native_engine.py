@@ -20,6 +20,10 @@ requests). One short untimed run warms up first. Reported per configuration:
                     one eager forward; a CUDA graph replays the same kernels), their summed
                     time (forward_kernel_us) and the costliest (forward_top: name,
                     launches, µs); sampler_* the same for the sampling step (GPU)
+  lookahead_rows    finished rows decoded once more (--lookahead on; warm-up included)
+With --rows R > N the R rows queue for N slots and are admitted as rows finish; with
+--length-median each row stops at its own log-normal length (the mix of RL responses):
+then tokens_per_s over the whole run is the figure, step_ms a median of mixed steps.
 With --frontend async (CUDA graphs only) the same run also goes through `AsyncEngine`:
 every request submitted at once from an event loop, stepped by the engine thread, as the
 role's concurrent `generate` calls run it; `step_ms` there is wall / steps.
@@ -50,6 +54,7 @@ from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
 from hybridflow.stages.rollout.native.forward.shared_prefix import PREFIX_MIN_SAVED
 from hybridflow.stages.rollout.native.frontend import AsyncEngine
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
+from hybridflow.stages.rollout.native.role import lognormal_lengths
 
 GIB = float(1 << 30)
 
@@ -106,6 +111,27 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="paged KV: a prompt's rows read its shared blocks once per step (cascade): "
         "where it saves enough (auto), always (on) or never (off)",
+    )
+    p.add_argument(
+        "--lookahead",
+        choices=("on", "off"),
+        default="off",
+        help="queue each decode step before reading which rows the last one finished "
+        "(engine.py 'Lookahead')",
+    )
+    p.add_argument(
+        "--length-median",
+        type=int,
+        default=0,
+        help="> 0: each row stops at a log-normal length of this median (--length-sigma), "
+        "capped at --max-new-tokens, as real responses do (0: every row runs to the cap)",
+    )
+    p.add_argument("--length-sigma", type=float, default=0.75)
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=0,
+        help="rows in all (0: N): more than N queue for the N slots, admitted as rows finish",
     )
     return p.parse_args(argv)
 
@@ -262,6 +288,11 @@ def _measure(
         "decode_lengths": engine.lengths,
         "kv_block_size": engine.paged.block if engine.paged is not None else 0,
         "samples": int(getattr(args, "samples", 1) or 1),
+        "rows": int(getattr(args, "rows", 0) or 0) or n,
+        "length_median": int(getattr(args, "length_median", 0) or 0),
+        "lookahead": engine.lookahead,
+        "lookahead_rows": engine.stats["lookahead_rows"],
+        "preemptions": engine.stats["preemptions"],
         # share of decoded rows that read their prompt's blocks once per group (cascade)
         "shared_prefix_share": round(
             engine.stats["shared_prefix_rows"] / max(1, engine.stats["decode_tokens"]), 3
@@ -285,7 +316,8 @@ def _engine_config(
         kv_cache_gb=64.0 if device.type == "cuda" else 4.0,
         max_num_seqs=n,
         cuda_graphs=graphs,
-        graph_batch_sizes=(n,),  # ignore-EOS rows all finish together: one bucket is used
+        # ignore-EOS rows all finish together: one bucket is used (a length mix: all)
+        graph_batch_sizes=() if getattr(args, "length_median", 0) else (n,),
         max_prefill_tokens=max(8192, n * args.prompt_len),
         decode_lengths=tuple(
             int(x) for x in str(getattr(args, "decode_lengths", "") or "").split(",") if x
@@ -295,18 +327,23 @@ def _engine_config(
         shared_prefix_min_saved=(
             0 if getattr(args, "shared_prefix", "auto") == "on" else PREFIX_MIN_SAVED
         ),
+        lookahead=getattr(args, "lookahead", "off") == "on",
     )
 
 
 def _requests(
     n: int, args: argparse.Namespace, gen: torch.Generator, vocab: int, max_new: int
 ) -> list[Request]:
-    """N rows: N / --samples random prompts of --prompt-len tokens, each sampled --samples
-    times, in requests of --request-rows rows."""
+    """--rows (default N) rows: rows / --samples random prompts of --prompt-len tokens,
+    each sampled --samples times, in requests of --request-rows rows; with
+    --length-median, each row capped at its own log-normal length."""
     k = max(1, int(getattr(args, "samples", 1) or 1))
+    n = int(getattr(args, "rows", 0) or 0) or n
     if n % k or max(1, args.request_rows) % k:
-        raise SystemExit(f"--samples {k} must divide N ({n}) and --request-rows")
+        raise SystemExit(f"--samples {k} must divide the rows ({n}) and --request-rows")
     prompts = torch.randint(2, vocab, (n // k, args.prompt_len), generator=gen)
+    median = int(getattr(args, "length_median", 0) or 0)
+    caps = lognormal_lengths(median, args.length_sigma, max_new, n, args.seed) if median else None
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -316,7 +353,12 @@ def _requests(
     )
     per = max(1, args.request_rows) // k  # prompts per request
     return [
-        Request(list(prompts[i : i + per]), params, seed=args.seed + i)
+        Request(
+            list(prompts[i : i + per]),
+            params,
+            seed=args.seed + i,
+            max_new_tokens=None if caps is None else caps[i * k : (i + per) * k],
+        )
         for i in range(0, n // k, per)
     ]
 

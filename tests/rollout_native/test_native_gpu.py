@@ -3,12 +3,16 @@ continuous batching through graph buckets, sleep frees memory, aliasing re-captu
 
 from __future__ import annotations
 
+import inspect
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from native_helpers import build, ctx, engine, prompts, run_all
 
+from hybridflow.stages.rollout.native.kv_cache import Readback
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
 from hybridflow.stages.rollout.native.role import NativeRollout
 
@@ -164,3 +168,36 @@ def test_paged_graph_decode_equals_slot_graph_decode(cuda_model: Any) -> None:
         for a, b in zip(slot, out, strict=True):
             assert torch.equal(a.tokens, b.tokens)
             torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_lookahead_leaves_no_host_wait_but_the_readback(cuda_model: Any) -> None:
+    """Rows finishing and queued rows joining (paged KV, graph buckets): the lookahead
+    gives lockstep's tokens, and the only host waits left while it runs are the
+    readback's (the snapshot's event, the finished rows' gathers): every other copy to or
+    from the device is asynchronous (torch's sync debug mode)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, n=2, stop_token_ids=(7, 19, 33))
+    reqs = [
+        Request([p.cuda() for p in prompts(4, seed=k, lo=3, hi=30)], params, seed=k)
+        for k in range(4)
+    ]
+    kw: dict[str, Any] = {"kv_block_size": 16, "max_num_seqs": 16, "graph_batch_sizes": (4, 8)}
+    lockstep = run_all(engine(cuda_model, lookahead=False, **kw), reqs)
+    eng = engine(cuda_model, lookahead=True, **kw)
+    run_all(eng, reqs[:1])  # warm-up: kernels, the allocators' first blocks
+    ids = [eng.add_request(r) for r in reqs]
+    outs: dict[int, Any] = {}
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            while eng.has_work():
+                outs.update({o.request_id: o for o in eng.step()})
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a, b in zip(lockstep, (outs[i] for i in ids), strict=True):
+        assert torch.equal(a.tokens, b.tokens)
+    lines, first = inspect.getsourcelines(Readback)
+    sites = {(Path(w.filename).name, w.lineno) for w in caught if "synchroniz" in str(w.message)}
+    assert sites, "the sync debug mode reported nothing: the readback's waits are missing"
+    assert all(f == "kv_cache.py" and first <= n < first + len(lines) for f, n in sites), sites
+    assert eng.stats["lookahead_rows"] > 0

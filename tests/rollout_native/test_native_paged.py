@@ -185,9 +185,10 @@ def test_sessions_park_their_blocks_and_continue_like_slots(qwen: Any) -> None:
     assert kept.paged is not None and kept.paged.used_blocks == 0
 
 
-def test_random_traffic_keeps_the_block_books(qwen: Any) -> None:
+@pytest.mark.parametrize("lookahead", [False, True], ids=["lockstep", "lookahead"])
+def test_random_traffic_keeps_the_block_books(qwen: Any, lookahead: bool) -> None:
     g = torch.Generator().manual_seed(0)
-    eng = paged(qwen, blocks=14, max_num_seqs=12, shared_prefix_min_saved=0)
+    eng = paged(qwen, blocks=14, max_num_seqs=12, shared_prefix_min_saved=0, lookahead=lookahead)
     live: set[Any] = set()
     for it in range(40):
         if it % 3 == 0:

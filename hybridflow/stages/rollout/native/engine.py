@@ -1,18 +1,24 @@
 """The native engine's synchronous core: continuous batching of requests over one model.
 
     add_request(Request) -> id        queue its rows (validated here)
-    step() -> [RequestOutput]         1. admit queued rows into free slots and prefill them
+    step() -> [RequestOutput]         1. one decode step for every running row, attending
+                                         to the smallest length bucket that holds every
+                                         row's position (a CUDA graph of the smallest batch
+                                         and length buckets on GPU, eager on CPU);
+                                      2. retire rows that hit a stop token or max_new_tokens,
+                                         compact the slots, return every request whose rows
+                                         are all done;
+                                      3. admit queued rows into free slots and prefill them
                                          (batched; n samples share one prompt prefill; a
                                          session's next turn prefills only its new tokens
                                          on top of its parked K/V), which samples their
-                                         first token;
-                                      2. one decode step for every live row, attending to
-                                         the smallest length bucket that holds every row's
-                                         position (a CUDA graph of the smallest batch and
-                                         length buckets on GPU, eager on CPU);
-                                      3. retire rows that hit a stop token or max_new_tokens,
-                                         compact the slots, return every request whose rows
-                                         are all done.
+                                         first token.
+
+Lookahead (`EngineConfig.lookahead`, opt-in until measured on a GPU): step 2 reads the
+done flags of the previous step() (an asynchronous snapshot, kv_cache.Readback) after
+step 1 is queued, so the GPU decodes while the host retires and admits; no host-to-device
+copy on the way blocks (kv_cache.to_device). A finished row decodes once more, a no-op
+(stat `lookahead_rows`).
 
 Sessions (multi-turn, scheduler.py): a finished session row's K/V stays parked in its
 slot with the ids it holds; `drop_sessions` frees them when the trajectory ends, and any
@@ -48,7 +54,7 @@ from hybridflow.stages.rollout.native.graphs import (
     default_lengths,
     pick,
 )
-from hybridflow.stages.rollout.native.kv_cache import round_up
+from hybridflow.stages.rollout.native.kv_cache import Readback, round_up, to_device
 from hybridflow.stages.rollout.native.paged import PagedCache, make_cache
 from hybridflow.stages.rollout.native.request import (
     EngineConfig,
@@ -96,6 +102,8 @@ class NativeEngine:
         self.paged = self.cache if isinstance(self.cache, PagedCache) else None
         self.num_slots = self.cache.num_slots
         self.scheduler = Scheduler(self.num_slots)
+        self.lookahead = config.lookahead
+        self.readback = Readback(self.device, overlap=config.lookahead)
         slot_len = self.cache.max_len
         self.lengths = (
             sorted({min(n, slot_len) for n in config.decode_lengths} | {slot_len})
@@ -137,6 +145,7 @@ class NativeEngine:
             "session_evictions": 0,  # parked sessions dropped for want of a slot (or block)
             "preemptions": 0,  # rows sent back to the queue for want of a KV block (paged)
             "shared_prefix_rows": 0,  # sum over steps of rows reading a group's prefix once
+            "lookahead_rows": 0,  # finished rows decoded once more (see the docstring)
             "busy_s": 0.0,  # seconds inside step() (AsyncEngine counts them)
         }
         self.allocate()
@@ -217,6 +226,7 @@ class NativeEngine:
     def abort_all(self) -> list[int]:
         """Drop every request (after a failed step); returns their ids."""
         ids = self.scheduler.abort_all()
+        self.readback.clear()
         self.cache.collect(0, self.num_slots)
         self.cache.sync()
         self._resumed.clear()
@@ -229,7 +239,8 @@ class NativeEngine:
     # -- sessions ------------------------------------------------------------------------
     def drop_sessions(self, sessions: Sequence[Hashable]) -> None:
         """Free the parked K/V of `sessions` (their trajectories ended). Safe between any
-        two steps, with requests in flight."""
+        two steps, with requests in flight: it moves parked slots only, never the running
+        rows a pending lookahead snapshot names."""
         self._apply(self.scheduler.drop(sessions))
         for key in sessions:
             self.sessions.pop(key, None)
@@ -269,19 +280,7 @@ class NativeEngine:
             self.drop_sessions([request.session])
 
     def memory_stats(self) -> dict[str, float]:
-        out = {
-            "kv_cache_bytes": float(self.cache.nbytes if self.cache.allocated else 0),
-            "kv_slots": float(self.num_slots),
-            "slot_len": float(self.cache.max_len),
-        }
-        if self.paged is not None:
-            out["kv_blocks"] = float(self.paged.num_blocks - 1)
-            out["kv_block_size"] = float(self.paged.block)
-            out["kv_blocks_peak"] = float(self.paged.peak_blocks)
-        if self.device.type == "cuda":
-            out["peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
-            out["peak_reserved_bytes"] = float(torch.cuda.max_memory_reserved(self.device))
-        return out
+        return self.cache.memory_stats()
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> int:
@@ -300,11 +299,27 @@ class NativeEngine:
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        if self.scheduler.pending and (self.scheduler.free or self.scheduler.parked):
-            outputs += self._prefill()
-        if self.paged is not None and self.scheduler.active:
-            self._grow(self.paged)
+        sch, steps = self.scheduler, self.stats["steps"]
+        outputs = self._decode() if sch.active else []
+        outputs += self._settle(decoded=self.stats["steps"] > steps)
+        if sch.pending and (sch.free or sch.parked):
+            self._prefill()
+        if sch.active:  # running rows keep their slots until the snapshot is taken
+            self.readback.snapshot(self.cache.done[: sch.active])
+            if not self.lookahead:
+                outputs += self._settle()
+        return outputs
+
+    def _settle(self, decoded: bool = False) -> list[RequestOutput]:
+        """Retire the rows the pending snapshot flags done (`decoded`: a decode step ran
+        since it was taken, which those rows went through once more)."""
+        slots = self.readback.take()
+        self.stats["lookahead_rows"] += len(slots) if decoded else 0
+        return self._retire(slots) if slots else []
+
+    def _decode(self) -> list[RequestOutput]:
+        """Queue one decode step of the running rows (-> rows retired to make room)."""
+        outputs = self._grow(self.paged) if self.paged is not None else []
         b = self.scheduler.active
         if b == 0:
             return outputs
@@ -318,15 +333,11 @@ class NativeEngine:
         else:
             self._forward(b, n, split)
             self._sample(b, truncate)
-        self.stats["attended_positions"] += b * n
-        self.stats["steps"] += 1
         self._tick += 1
-        self.stats["decode_tokens"] += b
+        for key, add in (("attended_positions", b * n), ("steps", 1), ("decode_tokens", b)):
+            self.stats[key] += add
         if self.paged is not None:  # rows that read their prompt's blocks once per group
             self.stats["shared_prefix_rows"] += self.paged.grouped_rows
-        done = self.cache.done[:b].cpu()  # the one host sync of a step
-        if bool(done.any()):
-            outputs += self._retire(done.nonzero().flatten().tolist())
         return outputs
 
     # -- the step's parts ----------------------------------------------------------------
@@ -351,7 +362,9 @@ class NativeEngine:
         tok, lp = sample(self.logits[:b], c.temperature[:b], c.top_k[:b], c.top_p[:b], u, truncate)
         c.record(c.rows[:b], tok, lp)
 
-    def _prefill(self) -> list[RequestOutput]:
+    def _prefill(self) -> None:
+        """Admit queued rows and sample their first token (a row that finished on it
+        retires from the next snapshot)."""
         paged = self.paged
         blocks = None if paged is None else paged.budget()
         adm = self.scheduler.admit(self.config.max_prefill_tokens, self._tick, blocks)
@@ -360,7 +373,7 @@ class NativeEngine:
             del self.sessions[key]
         self.stats["session_evictions"] += len(adm.evicted)
         if not adm.rows:
-            return []
+            return
         c, dev = self.cache, self.device
         pairs = zip(adm.prompts, adm.resumed, strict=True)
         prompts = [self._prompt(rid, p, ref) for (rid, p), ref in pairs]
@@ -369,11 +382,11 @@ class NativeEngine:
         if paged is not None:
             paged.place(adm.slots, adm.group, lengths.tolist())
             paged.sync()
-        slots = torch.tensor(adm.slots, dtype=torch.int64, device=dev)  # [R]
+        slots = to_device(adm.slots, dev)  # [R]
         group = torch.tensor(adm.group, dtype=torch.int64)  # [R]
         c.init_rows(
             slots,
-            (lengths - 1)[group].to(dev),
+            to_device((lengths - 1)[group], dev),
             row_params(
                 [(self._live[r.request_id].request, r.row) for r in adm.rows],
                 self.config.max_stop_ids,
@@ -383,7 +396,7 @@ class NativeEngine:
         logits = prompt_logits(self.model, c, prompts, adm.cached, adm.slots, adm.group, self.stats)
         for (rid, _), cached in zip(adm.prompts, adm.cached, strict=True):
             self._live[rid].reused += cached
-        logits = logits[group.to(dev)]  # [R, V]
+        logits = logits[to_device(group, dev)]  # [R, V]
         truncating = sum(self._live[r.request_id].request.params.truncates for r in adm.rows)
         self._truncating += truncating
         u = row_uniform(c.seed_lo[slots], c.seed_hi[slots], c.row[slots], c.gen_len[slots])
@@ -392,19 +405,21 @@ class NativeEngine:
         )
         c.record(slots, tok, lp)
         self.stats["prefill_rows"] += len(adm.rows)
-        done = c.done[slots].cpu()
-        if bool(done.any()):
-            return self._retire([adm.slots[i] for i in done.nonzero().flatten().tolist()])
-        return []
 
     # -- paged KV: growth, preemption and the rows that come back -----------------------
-    def _grow(self, paged: PagedCache) -> None:
+    def _grow(self, paged: PagedCache) -> list[RequestOutput]:
         """Blocks for this decode step's writes (row s writes at offsets[s] + tick). Short
-        of blocks: evict parked sessions (least recent first), then preempt running rows
-        from the top slot down (the top rows need no move to keep the batch dense)."""
-        sch = self.scheduler
+        of blocks: retire the rows a pending snapshot flags done (they free blocks, and a
+        preempted one would resume past its end), evict parked sessions (least recent
+        first), then preempt running rows from the top slot down (the top rows need no
+        move to keep the batch dense) -> the requests the retirement completed."""
+        sch, outputs = self.scheduler, []
         need = [off + self._tick + 1 for off in sch.offsets]
         short = paged.grow(list(range(sch.active)), need)
+        if short and self.readback.pending:
+            outputs = self._settle()
+            need = [off + self._tick + 1 for off in sch.offsets]
+            short = paged.grow(list(range(sch.active)), need)
         while short:
             victim = sch.least_recent()
             if victim is not None:
@@ -415,19 +430,19 @@ class NativeEngine:
             short = [s for s in short if s < sch.active]
             short = paged.grow(short, [need[s] for s in short])
         paged.sync()
+        return outputs
 
     def _preempt(self, slots: list[int]) -> None:
         """Send running rows back to the queue, keeping what they generated: they come
         back as prompt + those tokens (`_prompt`), their seeds' streams continue (the
         uniforms depend on the token index), and the blocks go now."""
         c, sch = self.cache, self.scheduler
-        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        gen = c.gen_len[idx].cpu()
-        width = max(1, int(gen.max()))
-        tokens, logprobs = c.out_tok[idx, :width].cpu(), c.out_lp[idx, :width].cpu()
+        gen, tokens, logprobs = self.readback.rows(
+            slots, c.gen_len, c.out_tok, c.out_lp, latest=True
+        )
         for i, s in enumerate(slots):
             ref, g = sch.slots[s], int(gen[i])
-            self._resumed[ref] = (tokens[i, :g], logprobs[i, :g])
+            self._resumed[ref] = (tokens[i, :g].clone(), logprobs[i, :g].clone())
             self._truncating -= self._live[ref.request_id].request.params.truncates
         self._apply([sch.preempt({s: int(gen[i]) for i, s in enumerate(slots)})])
         self.stats["preemptions"] += len(slots)
@@ -448,16 +463,14 @@ class NativeEngine:
             tokens, logprobs = self._resumed.pop(ref)
             n = tokens.numel()
             c.gen_len[slot] = n
-            c.out_tok[slot, :n] = tokens.to(self.device)
-            c.out_lp[slot, :n] = logprobs.to(self.device)
+            c.out_tok[slot, :n] = to_device(tokens, self.device)
+            c.out_lp[slot, :n] = to_device(logprobs, self.device)
 
     def _retire(self, slots: list[int]) -> list[RequestOutput]:
         c = self.cache
-        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        lengths = c.gen_len[idx].cpu()
+        lengths, tokens, logprobs = self.readback.rows(slots, c.gen_len, c.out_tok, c.out_lp)
         width = int(lengths.max())
-        tokens = c.out_tok[idx, :width].cpu()  # [k, width]
-        logprobs = c.out_lp[idx, :width].cpu()
+        tokens, logprobs = tokens[:, :width].clone(), logprobs[:, :width].clone()  # [k, width]
         park: dict[int, int] = {}
         for i, s in enumerate(slots):  # a session's K/V: the prompt + all but the last token
             ref = self.scheduler.slots[s]
@@ -475,7 +488,7 @@ class NativeEngine:
             self._truncating -= live.request.params.truncates
         self._apply([fin.moves])
         if fin.parked:  # graph padding rows write at their slot's position: a scratch one
-            at = torch.tensor([s for _, s in fin.parked], dtype=torch.int64, device=self.device)
+            at = to_device([s for _, s in fin.parked], self.device)
             c.positions[at] = c.max_len - 1
         done = [self._live.pop(rid) for rid in fin.completed]
         return [

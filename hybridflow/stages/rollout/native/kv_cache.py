@@ -45,6 +45,15 @@ def round_up(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
+def to_device(values: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+    """Host values (an int64 list or a CPU tensor) onto `device` without waiting for the
+    work queued there: a plain `.to(device)` from host memory synchronizes the stream
+    (PyTorch waits for the copy), which idles the GPU between decode steps. From pageable
+    memory the driver stages the bytes before the call returns, so the source may go."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    return t.to(device, non_blocking=True)
+
+
 def slot_bytes(layers: int, kv_heads: int, head_dim: int, max_len: int, itemsize: int) -> int:
     """K and V of one sequence slot of `max_len` positions (rounded up to ALIGN)."""
     return 2 * layers * kv_heads * round_up(max_len) * head_dim * itemsize
@@ -123,6 +132,17 @@ class SlotCache:
         self.out_tok = torch.zeros(s, L, **i64)  # [S, L] generated tokens
         self.out_lp = torch.zeros(s, L, **f32)  # [S, L] their sampling log-probs
 
+    def memory_stats(self) -> dict[str, float]:
+        out = {
+            "kv_cache_bytes": float(self.nbytes if self.allocated else 0),
+            "kv_slots": float(self.num_slots),
+            "slot_len": float(self.max_len),
+        }
+        if self.device.type == "cuda":
+            out["peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
+            out["peak_reserved_bytes"] = float(torch.cuda.max_memory_reserved(self.device))
+        return out
+
     def release(self) -> None:
         self.kv = None
         for name in self._per_slot:
@@ -155,8 +175,7 @@ class SlotCache:
         and copying whole slots cost the multi-turn benchmark 286 ms of device time
         (bench/RESULTS.md)."""
         assert self.kv is not None
-        s = torch.tensor(src, dtype=torch.int64, device=self.device)
-        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        s, d = to_device(src, self.device), to_device(dst, self.device)
         n = self.max_len if upto is None else max(1, min(int(upto), self.max_len))
         kv = self.kv.narrow(4, 0, n)  # [layers, 2, S, Hkv, n, D] view
         kv.index_copy_(2, d, kv.index_select(2, s))
@@ -232,7 +251,7 @@ class SlotCache:
         a = torch.tensor(slots, dtype=torch.int64)[:, None].expand(-1, width).flatten()
         b = pos[None, :].expand(len(slots), -1).flatten()
         dev = self.device
-        return src.to(dev), (a.to(dev), b.to(dev))
+        return to_device(src, dev), (to_device(a, dev), to_device(b, dev))
 
     def init_rows(
         self,
@@ -244,21 +263,90 @@ class SlotCache:
         self.gen_len[slots] = 0
         self.done[slots] = False
         for name, value in params.items():
-            getattr(self, name)[slots] = value.to(self.device)
+            getattr(self, name)[slots] = to_device(value, self.device)
 
     def record(self, rows: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> None:
         """Append sampled token `tok` [R] (log-prob `lp` [R]) to `rows` [R], advance them,
-        and flag the rows that just finished (stop token or max_new reached).
+        and flag the rows that just finished (stop token or max_new reached). Rows already
+        flagged keep their state: the engine's lookahead decodes a row once more before
+        the host learns that it finished.
 
         Clamps keep the writes of padding rows (slots past the live batch in a CUDA-graph
         bucket) inside their own free slot's buffers."""
         g = self.gen_len[rows]
+        live = ~self.done[rows]  # a finished row decoded once more (engine lookahead) stays
         at = g.clamp(max=self.max_len - 1)
-        self.out_tok[rows, at] = tok
+        self.out_tok[rows, at] = tok  # a finished row's write lands past its end: unread
         self.out_lp[rows, at] = lp
-        g = g + 1
+        g = g + live
         self.gen_len[rows] = g
-        self.positions[rows] = (self.positions[rows] + 1).clamp(max=self.max_len - 1)
-        self.tokens[rows] = tok
+        self.positions[rows] = (self.positions[rows] + live).clamp(max=self.max_len - 1)
+        self.tokens[rows] = torch.where(live, tok, self.tokens[rows])
         hit = (self.stop[rows] == tok[:, None]).any(-1)
-        self.done[rows] = hit | (g >= self.max_new[rows])
+        self.done[rows] = ~live | hit | (g >= self.max_new[rows])
+
+
+class Readback:
+    """The cache's per-row results back on the host; with `overlap` (CUDA), without
+    stalling the device.
+
+    Overlapped, `snapshot` queues a copy of the done flags behind the work queued so far
+    and records an event; `take` waits for that event only, so a decode step queued after
+    the snapshot keeps the GPU busy while the host waits; `rows` gathers finished rows'
+    buffers on a side stream that waits for the same event (never for the step after
+    it). Reading those rows while that step runs is safe: `SlotCache.record` leaves a
+    finished row's length, position and flags as they were, and its one write lands past
+    its end. Otherwise (the CPU, or lockstep) every call is a plain, synchronous read."""
+
+    def __init__(self, device: torch.device, overlap: bool = False) -> None:
+        self.device = device
+        self.side = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
+        self._flags: torch.Tensor | None = None  # [b] bool, pinned on CUDA
+        self._event: Any = None  # recorded behind the flags' copy
+        self.after: Any = None  # the last taken snapshot's event (rows read behind it)
+
+    @property
+    def pending(self) -> bool:
+        return self._flags is not None
+
+    def snapshot(self, done: torch.Tensor) -> None:
+        if self.side is None:
+            self._flags = done.to("cpu", copy=True)
+            return
+        self._flags = torch.empty(done.shape, dtype=torch.bool, pin_memory=True)
+        self._flags.copy_(done, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def take(self) -> list[int]:
+        """The slots flagged done in the pending snapshot ([] with none pending)."""
+        flags, self._flags = self._flags, None
+        if flags is None:
+            return []
+        self.after, self._event = self._event, None
+        if self.after is not None:
+            self.after.synchronize()
+        return flags.nonzero().flatten().tolist()
+
+    def clear(self) -> None:
+        self._flags = self._event = self.after = None
+
+    def rows(self, slots: list[int], *buffers: torch.Tensor, latest: bool = False) -> list[Any]:
+        """`buffers`' rows `slots`, on the host: as of the last taken snapshot, or as of
+        everything queued so far (`latest`: a preemption reads rows that keep running)."""
+        if self.side is None:
+            idx = to_device(slots, self.device)
+            return [b[idx].cpu() for b in buffers]
+        main = torch.cuda.current_stream(self.device)
+        if latest or self.after is None:
+            self.side.wait_stream(main)
+        else:
+            self.side.wait_event(self.after)
+        with torch.cuda.stream(self.side):
+            idx = to_device(slots, self.device)
+            out = []
+            for b in buffers:
+                host = torch.empty((len(slots), *b.shape[1:]), dtype=b.dtype, pin_memory=True)
+                out.append(host.copy_(b[idx], non_blocking=True))
+        self.side.synchronize()  # the gathers only: the stream behind them runs on
+        return out

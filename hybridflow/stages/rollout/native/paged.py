@@ -53,7 +53,7 @@ from hybridflow.stages.rollout.native.forward.shared_prefix import (
     prefix_groups,
     saved_positions,
 )
-from hybridflow.stages.rollout.native.kv_cache import GIB, DecodeMeta, SlotCache
+from hybridflow.stages.rollout.native.kv_cache import GIB, DecodeMeta, SlotCache, to_device
 from hybridflow.stages.rollout.native.scheduler import Blocks
 
 if TYPE_CHECKING:
@@ -134,6 +134,13 @@ class PagedCache(SlotCache):
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_bytes
+
+    def memory_stats(self) -> dict[str, float]:
+        return super().memory_stats() | {
+            "kv_blocks": float(self.num_blocks - 1),
+            "kv_block_size": float(self.block),
+            "kv_blocks_peak": float(self.peak_blocks),
+        }
 
     @property
     def used_blocks(self) -> int:
@@ -259,15 +266,14 @@ class PagedCache(SlotCache):
         for i, s in enumerate(rows):
             if self.owned[s]:
                 host[i, : len(self.owned[s])] = torch.tensor(self.owned[s])
-        at = torch.tensor(rows, dtype=torch.int64)
-        self.table.index_copy_(0, at.to(self.device), host.to(self.device))
+        self.table.index_copy_(0, to_device(rows, self.device), to_device(host, self.device))
 
     def _write_groups(self) -> None:
         self._regroup = False
         starts, entries = prefix_groups(self.owned, self.refs, self.block, self.prefix_rows)
         host = group_tensors(starts, entries, self.num_slots, self.prefix_rows)
         for dev, value in zip((self.starts, self.members, self.spans), host, strict=True):
-            dev.copy_(value)
+            dev.copy_(value, non_blocking=True)  # staged at once from pageable memory
         holders = sum(1 for blocks in self.owned if blocks)
         self.cascade = bool(entries) and (
             saved_positions(entries) >= self.prefix_min_saved * holders
@@ -278,8 +284,7 @@ class PagedCache(SlotCache):
     def move(self, src: list[int], dst: list[int], upto: int | None = None) -> None:
         """The per-slot buffers only: K/V stay in their blocks (`transfer` moved the
         ownership), so a move costs no KV copy."""
-        s = torch.tensor(src, dtype=torch.int64, device=self.device)
-        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        s, d = to_device(src, self.device), to_device(dst, self.device)
         n = self.max_len if upto is None else max(1, min(int(upto), self.max_len))
         self._move_rows(s, d, n)
 
@@ -326,4 +331,7 @@ class PagedCache(SlotCache):
             blk.append(torch.tensor(self.owned[s], dtype=torch.int64)[pos // self.block])
             off.append(pos % self.block)
         dev = self.device
-        return torch.cat(src).to(dev), (torch.cat(blk).to(dev), torch.cat(off).to(dev))
+        return to_device(torch.cat(src), dev), (
+            to_device(torch.cat(blk), dev),
+            to_device(torch.cat(off), dev),
+        )

@@ -147,6 +147,10 @@ class EngineConfig:
     # module path
     fused_decode: bool = True
     compile_decode: bool = True  # and its elementwise parts through torch.compile (CUDA)
+    # read a step's finished rows after queueing the next step (engine.py "Lookahead"; it
+    # overlaps only on CUDA: on the CPU the host is the device). Off by default until an
+    # H200 run measures it (bench/RESULTS.md "Session 15")
+    lookahead: bool = False
 
 
 def check_config(config: EngineConfig, path: str) -> None:

@@ -95,6 +95,10 @@ class NativeRolloutOptions(HFRolloutOptions):
     shared_prefix_attention: bool = True
     max_num_seqs: int = 256  # most sequences decoded together
     cuda_graphs: bool = True  # CUDA-graph decode steps (GPU only; CPU always runs eager)
+    # GPU only: queue each decode step before reading which rows the last one finished,
+    # so the GPU need not wait on the host between steps (native/engine.py "Lookahead").
+    # Off by default: built and CPU-tested, not yet measured on a GPU
+    decode_lookahead: bool = False
     # Decode in few kernels (native/forward/fused.py): merged q/k/v and gate/up projections (the
     # modules' weights become views of them, rebuilt at every weight update), one
     # attention mask per step. Models it cannot take keep the module path.
@@ -228,6 +232,7 @@ class NativeRollout(RolloutState, RoleBase):
             compile_decode=opts.compile_decode,
             kv_block_size=opts.kv_block_size,
             shared_prefix=opts.shared_prefix_attention,
+            lookahead=opts.decode_lookahead,
         )
         self.engine = AsyncEngine(NativeEngine(model, config, path=path))
         self.weights = InPlaceWeights(
@@ -477,7 +482,15 @@ def forced_lengths(opts: NativeRolloutOptions, rows: int, seed: int) -> list[int
     from `seed`, in 1..max_new_tokens."""
     if not opts.forced_length_median:
         return None
+    return lognormal_lengths(
+        opts.forced_length_median, opts.forced_length_sigma, opts.max_new_tokens, rows, seed
+    )
+
+
+def lognormal_lengths(median: int, sigma: float, cap: int, rows: int, seed: int) -> list[int]:
+    """`rows` lengths from a log-normal of `median` and `sigma` (of ln length), seeded,
+    in 1..cap: most short, a long tail up to the cap (the mix of real RL responses)."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(rows, generator=g, dtype=torch.float64)
-    lengths = (opts.forced_length_median * torch.exp(opts.forced_length_sigma * z)).round()
-    return lengths.clamp(1, opts.max_new_tokens).to(torch.int64).tolist()
+    lengths = (median * torch.exp(sigma * z)).round()
+    return lengths.clamp(1, cap).to(torch.int64).tolist()

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from hybridflow.errors import ConfigError
 from hybridflow.stages.rollout.native.forward.fused import FusedDecode, rope, unfusable
+from hybridflow.stages.rollout.native.kv_cache import to_device
 
 SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama", "mistral")
 
@@ -317,7 +318,9 @@ def prompt_logits(
             [prompts[u].numel() for u in fresh],
             width,
         )
-        out[fresh] = model.prefill(tokens.to(dev), lengths[fresh].to(dev), writes, cache)
+        out[fresh] = model.prefill(
+            to_device(tokens, dev), to_device(lengths[fresh], dev), writes, cache
+        )
         stats["prefill_tokens"] += int(lengths[fresh].sum())
     if cont:  # a session's prompt has one row, in the slot its K/V was moved to
         slot_of = {g: row_slots[r] for r, g in enumerate(row_group)}
@@ -327,7 +330,7 @@ def prompt_logits(
         for j, x in enumerate(new):
             tokens[j, : x.numel()] = x
         out[cont] = model.extend(
-            tokens.to(dev),
+            to_device(tokens, dev),
             counts,
             torch.tensor([cached[u] for u in cont], dtype=torch.int64),
             torch.tensor([slot_of[u] for u in cont], dtype=torch.int64),
