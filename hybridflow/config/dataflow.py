@@ -12,8 +12,17 @@ from typing import Any, Literal
 from hybridflow.config.checks import IDENT, finite_positive, join, require
 from hybridflow.config.stages import DRIVER_ROLE
 
-# Keys the runtime puts into every Task's params; user params may not shadow them.
-RESERVED_PARAMS = ("step", "mb_id", "policy_version")
+# Keys the runtime puts into every Task's params (the mb_gang pair only into a gang's,
+# `gang_params`); user params may not shadow them.
+RESERVED_PARAMS = ("step", "mb_id", "policy_version", "mb_gang", "mb_gang_first")
+
+
+def gang_params(gang: tuple[int, int]) -> dict[str, int]:
+    """A task's params naming the gang its micro-batch went out in (the same op's
+    micro-batches of one step sent to one replica in one scheduling round,
+    pipeline/runtime/scheduler.mark_gangs): (first mb_id, size); none when alone."""
+    first, size = gang
+    return {"mb_gang": size, "mb_gang_first": first} if size > 1 else {}
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hybridflow.config.dataflow import gang_params
 from hybridflow.config.schema import load_topology
 from hybridflow.errors import PipelineError, StageError
 from hybridflow.pipeline.driver.registry import resolve_driver_op
@@ -431,3 +432,26 @@ def test_period_is_finish_to_finish_and_shorter_than_latency_when_steps_overlap(
         assert r["perf/samples_per_s"] == pytest.approx(8 / r["timing/period"])
     shorter = [r["timing/period"] < r["timing/step"] for r in rows]
     assert any(shorter) if k else not any(shorter)
+
+
+def _first_round(**run: Any) -> list[Any]:
+    """The rollout dispatches of step 0's first scheduling round."""
+    plan = build_plan(load_topology(topology(**run)))
+    sched = Scheduler(plan, clock=lambda: 0.0)
+    source = create_source(plan.topology.data, 0)
+    for s in sched.data_requests():
+        sched.add_data(s, source.batch(s, plan.topology.run.step_batch))
+    return [d for d in sched.ready() if d.op.index == 0 and d.step == 0]
+
+
+def test_a_rounds_micro_batches_to_one_replica_form_its_gang():
+    """The micro-batches of one op that one round sends to one replica are its gang
+    (scheduler.mark_gangs; the hf rollout runs a gang as one batch): two replicas, room
+    for two tasks each, four micro-batches -> mbs 0, 2 on replica 0 and 1, 3 on 1."""
+    first = _first_round(max_inflight=2)
+    got = [(d.mb_id, d.replicas, d.gang) for d in first]
+    assert got == [(0, (0,), (0, 2)), (1, (1,), (1, 2)), (2, (0,), (0, 2)), (3, (1,), (1, 2))]
+    assert gang_params(first[2].gang) == {"mb_gang": 2, "mb_gang_first": 0}
+    alone = _first_round(max_inflight=1)  # one task per replica: each micro-batch alone
+    assert [(d.mb_id, d.gang[1]) for d in alone] == [(0, 1), (1, 1)]
+    assert gang_params(alone[0].gang) == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hybridflow.data import collate_sft
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.actor import Actor
 from hybridflow.stages.rollout.hf import HFRollout
+from hybridflow.stages.rollout.merge import CallMerger
 
 
 @pytest.fixture(scope="module")
@@ -278,9 +280,69 @@ def test_calls_of_other_options_run_apart_and_a_failed_run_fails_its_calls(monke
     assert all(isinstance(o, RuntimeError) and "sampler broke" in str(o) for o in outs)
 
 
+def _gang(step, mb, size=2, first=0):
+    return {"step": step, "mb_id": mb, "mb_gang": size, "mb_gang_first": first}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_gang_runs_as_one_in_mb_order_whatever_arrives_first(temperature):
+    """The coordinator's gang (Task params mb_gang) decodes as one loop, ordered by mb_id:
+    the same bits whichever member arrives first (what resumes rely on), each member its
+    own seed's tokens."""
+    n = 1 if temperature == 0 else 3
+    opts = {"model": "tiny", "n": n, "max_new_tokens": 6, "temperature": temperature}
+    role = make_role(HFRollout, "rollout", opts)
+    batches = [prompt_batch(PROMPTS[:2]), prompt_batch(PROMPTS[2:])]
+    alone = [role.handle("generate", b, {"step": 5, "mb_id": m}) for m, b in enumerate(batches)]
+    rounds = role.merger.rounds
+    forward = _together(role, [(b, _gang(5, m)) for m, b in enumerate(batches)])
+    backward = _together(role, [(b, _gang(5, m)) for m, b in reversed(list(enumerate(batches)))])
+    assert role.merger.rounds == rounds + 2  # one forward loop per gang
+    for (out, metrics), (back, _), (ref, _) in zip(forward, backward[::-1], alone, strict=True):
+        assert metrics["rollout/concurrent_calls"] == 2.0
+        assert all(torch.equal(out[k], back[k]) for k in ref)  # bit for bit
+        for key in ("prompt_ids", "response_ids", "response_mask", "group_index"):
+            assert torch.equal(out[key], ref[key]), key
+        torch.testing.assert_close(out["rollout_logprobs"], ref["rollout_logprobs"])
+
+
+def test_a_gang_member_that_fails_its_checks_does_not_hold_the_others():
+    role = make_role(HFRollout, "rollout", {"model": "tiny", "n": 2, "max_new_tokens": 4})
+    role.merger.gang_wait_s = 60.0  # a wait for the failed member would show
+    bad = prompt_batch()
+    bad["prompt_ids"] = bad["prompt_ids"] + 10**6  # ids outside the vocabulary
+    t0 = time.perf_counter()
+    good, failed = _together(role, [(prompt_batch(), _gang(1, 0)), (bad, _gang(1, 1))])
+    assert time.perf_counter() - t0 < 30
+    assert isinstance(failed, BatchError) and good[1]["rollout/concurrent_calls"] == 1.0
+    off = make_role(HFRollout, "rollout", {"model": "tiny", "merge_gangs": False})
+    outs = _together(off, [(prompt_batch(), _gang(1, m)) for m in range(2)])
+    assert [o[1]["rollout/concurrent_calls"] for o in outs] == [1.0, 1.0]
+
+
+def test_a_gang_short_of_a_member_runs_the_others_after_the_wait(caplog):
+    seen = []
+    merger = CallMerger(lambda items: seen.append(items) or items, 0.0, "gangs")
+    merger.gang_wait_s = 0.05
+
+    async def run():
+        return await asyncio.gather(
+            merger.gang("g", 3, 2, "k", "c"),
+            merger.gang("g", 3, 0, "k", "a"),
+            merger.gang("h", 2, 0, "k", "x"),
+            merger.gang("h", 2, 1, "other", "y"),
+        )
+
+    with caplog.at_level("WARNING"):
+        assert asyncio.run(run()) == ["c", "a", "x", "y"]
+    merger.close()
+    assert ["a", "c"] in seen and ["x"] in seen and ["y"] in seen  # mb order; one run a key
+    assert "ran with 2 of 3 members" in caplog.text
+
+
 def test_by_default_calls_sent_together_run_alone_bit_for_bit(rollout):
-    """Merging off (the default): each call its own loop, so outputs are bit-identical
-    to running it alone, whatever arrives with it (what resumes rely on)."""
+    """Calls that are not a gang (no mb_gang param) and no merge window: each call its own
+    loop, so outputs are bit-identical to running it alone, whatever arrives with it."""
     calls = [
         (prompt_batch(PROMPTS[:2]), {"step": 3, "mb_id": 0}),
         (prompt_batch(), {"step": 3, "mb_id": 1}),

@@ -81,6 +81,20 @@ DRIVER_REPLICA = -1
 MAX_EVENTS = 2_000_000  # ~100 B each: a long run's log stays bounded (recording just stops)
 
 
+def mark_gangs(sent: list[Dispatch]) -> list[Dispatch]:
+    """One op's micro-batches of one step dispatched in one round: those that go to the
+    same replica form a gang (Dispatch.gang), which a stage may run as one batch (the hf
+    rollout does). A gang is a function of the scheduler's state, not of arrival times:
+    at a step's start with nothing in flight (k = 0), every micro-batch of the head op."""
+    by: dict[tuple[int, ...], list[Dispatch]] = {}
+    for d in sent:
+        by.setdefault(d.replicas, []).append(d)
+    for group in by.values():
+        for d in group:
+            d.gang = (group[0].mb_id, len(group))
+    return sent
+
+
 class Scheduler:
     def __init__(
         self,
@@ -182,12 +196,14 @@ class Scheduler:
                         st.next_mb[j] = 1
                         out.append(d)
                     continue
+                sent: list[Dispatch] = []
                 while st.next_mb[j] < st.n_mb and self._mb_ready(st, op, st.next_mb[j]):
                     d = self._dispatch(st, op, st.next_mb[j])
                     if d is None:
                         break
                     st.next_mb[j] += 1
-                    out.append(d)
+                    sent.append(d)
+                out += mark_gangs(sent)
         return out
 
     def _start_steps(self) -> None:

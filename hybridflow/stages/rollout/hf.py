@@ -42,18 +42,19 @@ the runtime passes them (it does, as reserved params), else from (seed, call cou
 micro-batch's samples do not depend on which replica ran it or what ran before; the
 replica index is deliberately not part of the seed.
 
-Batching across micro-batches (`merge_window_ms` > 0; off by default): `generate` is a
-concurrent op. It checks a call on the stage's loop (where seeds are drawn, in arrival
-order), then hands it to a CallMerger (rollout/merge.py). Calls with the same sampling
-options that arrive within `merge_window_ms` of the first, or wait behind a running one,
-decode as one forward loop in the stage's worker thread. Each call's rows still draw from
-the call's own generator, so its samples are those of running it alone, up to float
-rounding of the wider batch. That rounding, and arrival times deciding who shares a
-loop, are why it is off by default: runs and resumes stay bit-identical without it.
-Each call gets back its own rows, cut to its own longest response. Multi-turn calls run
-alone. Measured on the 2-core CPU machine, GRPO with 2 micro-batches of 32: the rollout
-phase went from 0.42-0.47 s to 0.29-0.36 s (bench/RESULTS.md). Off, every call runs alone
-in the worker thread, in arrival order.
+Batching across micro-batches: `generate` is a concurrent op. It checks a call on the
+stage's loop (where seeds are drawn), then hands it to a CallMerger (rollout/merge.py),
+which runs it in the stage's worker thread. By default (`merge_gangs`) the micro-batches
+the coordinator sent together (a gang: one op and step, this replica, one scheduling
+round; Task params `mb_gang`) decode as one forward loop, in mb_id order: a function of
+the schedule, so runs and resumes stay bit-identical. Opt-in, `merge_window_ms` > 0
+merges whatever arrives within that window or queues behind a running call instead (not
+bit-reproducible: arrival times decide who shares a loop). Either way each call's rows
+draw from the call's own generator, so its samples are those of running it alone, up to
+float rounding of the wider batch, and each call gets back its own rows, cut to its own
+longest response. Multi-turn calls run alone. Measured on the 2-core CPU machine, GRPO
+with 2 micro-batches of 32: merged, the rollout phase went from 0.42-0.47 s to
+0.29-0.36 s (bench/RESULTS.md).
 
 Invariants: generation never runs on a partially written model (an update in progress or
 one that failed makes `generate` raise until a complete update succeeds); the model is
@@ -190,21 +191,36 @@ class HFRollout(RolloutState, RoleBase):
     async def generate(self, batch: Batch, params: Params) -> tuple[Batch, Metrics]:
         """Checked here, on the loop, in arrival order (seeds follow the call count); run
         in the stage's worker thread, merged with the calls sent with it (merge.py)."""
-        opts = self._call_options(params)
-        where = "hf rollout generate"
-        self._sink().ready(where)
-        require(batch, ("prompt_ids", "prompt_mask"), where)
-        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-        self._check_prompts(prompt_ids, prompt_mask, opts, where)
-        call = _Call(batch, opts, self._call_seed(params))
         assert self.merger is not None
+        gang = self._gang(params)
+        try:
+            opts = self._call_options(params)
+            where = "hf rollout generate"
+            self._sink().ready(where)
+            require(batch, ("prompt_ids", "prompt_mask"), where)
+            self._check_prompts(batch["prompt_ids"], batch["prompt_mask"], opts, where)
+            call = _Call(batch, opts, self._call_seed(params))
+        except BaseException:
+            if gang is not None:  # its gang stops waiting for it
+                self.merger.leave(*gang)
+            raise
+        key = tuple(getattr(opts, k) for k in SAMPLING_OVERRIDES)
         if self.loop is not None:  # trajectories: turn by turn, alone
             return await self.merger.call(self._generate_trajectories, call)
-        if not self.merger.window_s:  # merging off: alone, bit-reproducible
-            ((out, metrics),) = await self.merger.call(self._generate_calls, [call])
-            return out, metrics
-        key = tuple(getattr(opts, k) for k in SAMPLING_OVERRIDES)
-        return await self.merger.submit(key, call)
+        if self.merger.window_s:  # opt-in: whatever arrives together
+            return await self.merger.submit(key, call)
+        if gang is not None:  # the coordinator's gang, in mb_id order
+            return await self.merger.gang(*gang, int(params.get("mb_id", 0)), key, call)
+        ((out, metrics),) = await self.merger.call(self._generate_calls, [call])
+        return out, metrics
+
+    def _gang(self, params: Params) -> tuple[tuple[Any, ...], int] | None:
+        """(gang id, size) when this call is one of a gang of micro-batches to run
+        together (`merge_gangs`; Task params mb_gang), else None."""
+        size = int(params.get("mb_gang", 1))
+        if size < 2 or self.opts is None or not self.opts.merge_gangs or self.loop is not None:
+            return None
+        return ("gang", params.get("step"), params.get("mb_gang_first")), size
 
     def _generate_calls(self, calls: list[_Call]) -> list[tuple[Batch, Metrics]]:
         """Calls of the same sampling options as one forward loop over all their rows;

@@ -58,6 +58,12 @@ class HFRolloutOptions(ModelOptions):
     # share a loop depends on arrival times, and a wider batch rounds differently, so runs
     # (and resumes) are no longer bit-identical. 0: every call alone, in arrival order
     merge_window_ms: float = 0.0
+    # hf only: the micro-batches the coordinator sends together (one op, one step, this
+    # replica, one scheduling round: a "gang", Task params mb_gang) decode as one forward
+    # loop, ordered by mb_id. The batch follows from the schedule, not from arrival times,
+    # so runs and resumes stay bit-identical (to each other; not to runs without it: a
+    # wider batch rounds differently). False: every call alone
+    merge_gangs: bool = True
     # multi-turn (module docstring); every one is ignored while `env` is ""
     env: str = ""
     env_options: dict[str, Any] = field(default_factory=dict)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.config.dataflow import gang_params
 from hybridflow.errors import HybridflowError, PeerDeadError, PipelineError
 from hybridflow.pipeline.checkpoint.checkpointer import Checkpointer, load_drivers, save_drivers
 from hybridflow.pipeline.driver.registry import resolve_driver_op
@@ -355,7 +356,7 @@ class Coordinator:
             policy_version=d.policy_version,
             role=op.role,
             op=op.op,
-            params=dict(op.params),
+            params=dict(op.params) | gang_params(d.gang),
             returns=d.returns(),
         )
         # The bound of one task of the op (the table: pipeline/runtime/watch/deadlines.py).
