@@ -12,6 +12,7 @@ from stage_helpers import PROMPTS, TOK, make_role, prompt_batch, sequences
 from hybridflow.data import collate_sft
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.actor import Actor
+from hybridflow.stages.rollout import hf as hf_module
 from hybridflow.stages.rollout.hf import HFRollout
 from hybridflow.stages.rollout.merge import CallMerger
 
@@ -215,6 +216,38 @@ def test_incomplete_or_bad_weight_updates_block_generation():
     rollout.update_weights(actor.named_weights(), version=1)  # a complete update recovers
     out, _ = rollout.handle("generate", prompt_batch(), {})
     assert out["response_ids"].shape[0] == 3
+
+
+def test_finished_rows_leave_the_forward_and_the_samples_stay(monkeypatch):
+    """Rows that finished leave the decode forward (hf._shrink, the KV cache cut with
+    them); sampling still draws for every row, so the tokens are those of a forward over
+    all rows."""
+    base = {"model": "tiny", "n": 8, "max_new_tokens": 24, "temperature": 1.0}
+    params = {"step": 0, "mb_id": 0}
+    probe = make_role(HFRollout, "rollout", {**base, "stop_on_eos": False})
+    out, _ = probe.handle("generate", prompt_batch(), params)
+    common = int(torch.mode(out["response_ids"].flatten()).values)  # a frequent token: EOS
+    role = make_role(HFRollout, "rollout", {**base, "eos_token_id": common})
+    rows, real = [], hf_module._shrink
+
+    def spy(cache, live, finished):
+        got = real(cache, live, finished)
+        rows.append(got.numel())
+        return got
+
+    monkeypatch.setattr(hf_module, "_shrink", spy)
+    monkeypatch.setattr(hf_module, "SHRINK_SHARE", 10**9)  # every finished row leaves at once
+    shrunk, _ = role.handle("generate", prompt_batch(), params)
+    assert min(rows) < 3 * 8 and rows == sorted(rows, reverse=True)
+    monkeypatch.setattr(hf_module, "SHRINK_SHARE", 0)  # none leaves
+    rows.clear()
+    whole, _ = role.handle("generate", prompt_batch(), params)
+    assert set(rows) == {3 * 8}
+    lengths = shrunk["response_mask"].sum(-1)
+    assert int(lengths.min()) < int(lengths.max())  # rows did finish at different steps
+    for key in ("response_ids", "response_mask"):
+        assert torch.equal(shrunk[key], whole[key]), key
+    torch.testing.assert_close(shrunk["rollout_logprobs"], whole["rollout_logprobs"])
 
 
 # -- calls sent together run as one (rollout/merge.py) -----------------------------------

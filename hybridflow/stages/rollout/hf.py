@@ -318,6 +318,7 @@ class HFRollout(RolloutState, RoleBase):
         finished = torch.zeros(n, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(n, dtype=torch.int64, device=self.device)
         tokens, logprobs = [], []
+        live = torch.arange(n, device=self.device)  # the rows the forward runs (see below)
         for t in range(opts.max_new_tokens):
             picked = [_pick(logits[rows], opts, gen) for gen, rows in gens]
             tok = torch.cat([t for t, _ in picked]) if len(picked) > 1 else picked[0][0]
@@ -334,21 +335,45 @@ class HFRollout(RolloutState, RoleBase):
             if t == opts.max_new_tokens - 1 or bool(finished.all()):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            live = _shrink(cache, live, finished)
             out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=mask,
-                position_ids=next_pos,
+                input_ids=tok[live, None],
+                attention_mask=mask[live],
+                position_ids=next_pos[live],
                 use_cache=True,
                 **{self._cache_kw: cache},
             )
             cache = out[self._cache_kw]
             next_pos = next_pos + 1
-            logits = out.logits[:, -1, :].float()
+            new = out.logits[:, -1, :].float()
+            if live.numel() < n:  # finished rows keep stale logits: sampling still draws for
+                logits[live] = new  # every row (the draw discarded), so each generator's
+            else:  # stream is the same whichever rows the forward ran
+                logits = new
         return (
             torch.stack(tokens, 1).cpu(),
             torch.stack(logprobs, 1).float().cpu(),
             lengths.cpu(),
         )
+
+
+SHRINK_SHARE = 8  # drop finished rows from the forward once they are 1/8 of its rows
+
+
+def _shrink(cache: Any, live: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
+    """The rows the next decode forward runs: `live` less the finished rows, once these
+    are 1/SHRINK_SHARE of it (the KV cache is cut to the same rows; each cut copies it,
+    so not at every finished row). On the CPU the forward costs about its rows (3.2M
+    parameters, 64 rows: bench/RESULTS.md session 15); a cache that cannot select rows
+    keeps them all."""
+    gone = finished[live]
+    if int(gone.sum()) * SHRINK_SHARE < live.numel() or bool(gone.all()):
+        return live
+    if not hasattr(cache, "batch_select_indices"):
+        return live
+    keep = (~gone).nonzero().flatten()
+    cache.batch_select_indices(keep)
+    return live[keep]
 
 
 def _pick(
