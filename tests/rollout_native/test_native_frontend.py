@@ -4,6 +4,8 @@ failed step into errors of the requests it carried (and keeps going), and closes
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
+import threading
 from typing import Any
 
 import pytest
@@ -108,3 +110,85 @@ def test_gathering_admits_requests_arriving_together_in_one_prefill(
     # without the window each arrival is its own admission (two might share one drain of
     # the inbox on a loaded machine)
     assert len(prefills) == 1 if gather_s else len(prefills) > 1
+
+
+# -- driven: the loop in the caller's worker thread (the CPU stage) ----------------------
+
+
+class _Worker:
+    """A stage's worker thread and its `StageContext.compute`, counting the drives."""
+
+    def __init__(self) -> None:
+        self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="stage-worker")
+        self.drives = 0
+
+    async def compute(self, fn: Any, *args: Any) -> Any:
+        self.drives += 1
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+
+def test_driven_engine_steps_in_the_worker_thread_and_joins_running_drives(qwen: Any) -> None:
+    """No engine thread: the first submission starts a drive in the worker thread, later
+    ones join it through the inbox; results are the sync engine's; `call` runs in the
+    caller's thread and is refused while requests are in flight."""
+    reqs = [Request(prompts(k, seed=k), GREEDY) for k in (2, 3, 1)]
+    ref = run_all(engine(qwen), reqs)
+    core, worker = engine(qwen), _Worker()
+    threads = set()
+    real_step = core.step
+    core.step = lambda: threads.add(threading.current_thread().name) or real_step()  # type: ignore[method-assign]
+    front = AsyncEngine(core, driver=worker.compute)
+    assert front._thread is None
+
+    async def staggered() -> list[Any]:
+        first = asyncio.ensure_future(front.generate(reqs[0]))
+        await asyncio.sleep(0.05)  # the drive runs; these two join it
+        rest = await asyncio.gather(*(front.generate(r) for r in reqs[1:]))
+        return [await first, *rest]
+
+    try:
+        outs = asyncio.run(staggered())
+        for out, want in zip(outs, ref, strict=True):
+            assert torch.equal(out.tokens, want.tokens)
+        assert {t.split("_")[0] for t in threads} == {"stage-worker"}
+        assert worker.drives < len(reqs) and not front._driving
+        assert "hybridflow-native-engine" not in {t.name for t in threading.enumerate()}
+        assert front.call(lambda c: c.in_flight()) == 0
+    finally:
+        front.close()
+        worker.pool.shutdown()
+    with pytest.raises(EngineClosedError):
+        front.submit(reqs[0])
+
+
+def test_driven_engine_fails_a_broken_step_goes_on_and_closes_what_runs(qwen: Any) -> None:
+    core, worker = engine(qwen, max_model_len=512, kv_cache_gb=0.2), _Worker()
+    real_step, calls = core.step, {"n": 0}
+
+    def flaky_step() -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    core.step = flaky_step  # type: ignore[method-assign]
+    front = AsyncEngine(core, driver=worker.compute)
+
+    async def scenario() -> Any:
+        with pytest.raises(RuntimeError, match="boom"):
+            await front.generate(Request(prompts(2), GREEDY))
+        ok = await front.generate(Request(prompts(2), GREEDY))
+        long = asyncio.ensure_future(
+            front.generate(Request(prompts(1), SamplingParams(max_new_tokens=400)))
+        )
+        await asyncio.sleep(0.05)
+        front.close()  # the running drive fails it at its next turn
+        with pytest.raises(EngineClosedError):
+            await long
+        return ok
+
+    try:
+        assert asyncio.run(scenario()).tokens.shape[0] == 2
+        assert not front._driving and core.in_flight() == 0
+    finally:
+        worker.pool.shutdown()

@@ -15,6 +15,14 @@ order, so callers need no locks. Submissions are only queued (no compute on the 
 thread or event loop). A step that raises fails every in-flight request with that error
 and drops them (the engine stays usable); `close()` fails what is still queued.
 
+Driven (`driver=`, the stage's `StageContext.compute`: the CPU, single-turn): no thread
+of its own. A submission from the event loop starts a drive in the stage's worker thread,
+which runs the loop above until nothing is left, and later submissions join the running
+drive through the inbox. On the CPU a second thread's torch ops run slower once another
+thread has used its OpenMP team, and the engine thread made the stage's train and
+reference ops ~20% slower (bench/RESULTS.md); driven, every torch op of the process runs in
+one thread. `call` then runs in the caller's thread, under the lock drives step under.
+
 Invariants: a request's future resolves exactly once; `call` never runs while a request
 is in flight; the thread exits on `close()` (joined, named, never left running).
 """
@@ -27,7 +35,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -52,6 +60,7 @@ class AsyncEngine:
         *,
         gather_s: float = 0.0,
         max_gather_s: float = 0.02,
+        driver: Callable[[Callable[[], None]], Awaitable[Any]] | None = None,
     ) -> None:
         """`gather_s` > 0: when nothing is decoding and requests are arriving, wait until
         none has arrived for `gather_s` (at most `max_gather_s` in all) before admitting:
@@ -65,8 +74,13 @@ class AsyncEngine:
         self._inbox: deque[tuple[str, Any, cf.Future[Any]]] = deque()
         self._futures: dict[int, cf.Future[RequestOutput]] = {}
         self._closing = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._driver, self._driving = driver, False
+        self._drives: set[asyncio.Future[Any]] = set()
+        self._lock = threading.Lock()  # driven: a drive's steps and `call` never overlap
+        self._thread: threading.Thread | None = None
+        if driver is None:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
 
     # -- caller side ---------------------------------------------------------------------
     def submit(self, request: Request) -> cf.Future[RequestOutput]:
@@ -97,7 +111,12 @@ class AsyncEngine:
     def call(self, fn: Callable[[NativeEngine], T]) -> T:
         """Run `fn(core)` on the engine thread between steps; BatchError if requests are
         in flight (the runtime reshards and sleeps between phases, never during one)."""
-        return self._put("call", fn).result()
+        if self._driver is None:
+            return self._put("call", fn).result()
+        fut: cf.Future[T] = cf.Future()
+        with self._lock:
+            self._call(fn, fut)
+        return fut.result()
 
     def in_flight(self) -> int:
         with self._cv:
@@ -107,6 +126,12 @@ class AsyncEngine:
         with self._cv:
             self._closing = True
             self._cv.notify()
+            idle = not self._driving
+        if self._thread is None:  # driven: a running drive shuts down at its next turn
+            if idle:
+                with self._lock:
+                    self._shutdown()
+            return
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.error("native engine thread did not stop within %.0f s", timeout)
@@ -118,7 +143,48 @@ class AsyncEngine:
                 raise EngineClosedError("native engine is closed")
             self._inbox.append((kind, item, fut))
             self._cv.notify()
+            kick = self._driver is not None and not self._driving
+            self._driving = self._driving or kick
+        if kick:
+            self._start_drive()
         return fut
+
+    # -- driven: the loop in the stage's worker thread ---------------------------------
+    def _start_drive(self) -> None:
+        assert self._driver is not None
+        try:
+            task = asyncio.ensure_future(self._driver(self._drive))
+        except RuntimeError:  # no running event loop here: driven callers submit from one
+            with self._cv:
+                self._driving = False
+            raise
+        self._drives.add(task)
+        task.add_done_callback(self._drives.discard)
+
+    def _drive(self) -> None:
+        """Take the inbox and step until nothing is left (or the engine closes)."""
+        stop = False  # fail what is left: closing, or a bug in the loop itself
+        try:
+            while True:
+                with self._cv:
+                    if self._closing or not (self._inbox or self.core.has_work()):
+                        self._driving, stop = False, self._closing
+                        return
+                    inbox = list(self._inbox)
+                    self._inbox.clear()
+                with self._lock:
+                    self._take(inbox)
+                    if self.core.has_work():
+                        self._step()
+        except BaseException:
+            stop = True
+            with self._cv:
+                self._driving = False
+            raise
+        finally:
+            if stop:
+                with self._lock:
+                    self._shutdown()
 
     # -- engine thread -------------------------------------------------------------------
     def _run(self) -> None:

@@ -234,19 +234,23 @@ class NativeRollout(RolloutState, RoleBase):
             shared_prefix=opts.shared_prefix_attention,
             lookahead=opts.decode_lookahead,
         )
-        self.engine = AsyncEngine(NativeEngine(model, config, path=path))
+        self.loop = trajectory_loop(ctx, opts, self.tokenizer, self.eos_ids, max_len)
+        # CPU single-turn: the engine steps in the worker thread (frontend.py "Driven"); a
+        # trajectory loop submits from a thread of its own, and a GPU wants the host free.
+        driven = ctx.device.type == "cpu" and self.loop is None and ctx.compute is not None
+        self.engine = AsyncEngine(
+            NativeEngine(model, config, path=path), driver=ctx.compute if driven else None
+        )
         self.weights = InPlaceWeights(
             dict(model.named_parameters(remove_duplicate=False)), alias=opts.alias_weights
         )
-        self.loop = trajectory_loop(ctx, opts, self.tokenizer, self.eos_ids, max_len)
         if self.loop is not None:
             # Two busy threads from here on: the engine's, launching kernels, and the
             # trajectory loop's, turning 100s of finished turns into next requests at every
             # turn boundary. Each time the engine thread gives up the GIL (a copy, a wait)
             # it may wait up to the switch interval to get it back: 5 ms by default, 0.5
-            # here. Measured on an H200 (bench/multiturn.py, bench/RESULTS.md): 26.5k model
-            # tok/s at 5 ms (6.9 ms per decode step), 30.2k at 0.5 ms (6.1 ms per step;
-            # single turn: 5.9). A stage process is ours alone.
+            # here. An H200 (bench/multiturn.py, bench/RESULTS.md): 26.5k model tok/s at
+            # 5 ms (6.9 ms per decode step), 30.2k at 0.5 ms (6.1; single turn: 5.9).
             sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
             assert self.engine is not None
             self.engine.gather_s = opts.admission_gather_ms / 1000
