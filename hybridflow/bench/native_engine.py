@@ -20,7 +20,9 @@ requests). One short untimed run warms up first. Reported per configuration:
                     one eager forward; a CUDA graph replays the same kernels), their summed
                     time (forward_kernel_us) and the costliest (forward_top: name,
                     launches, µs); sampler_* the same for the sampling step (GPU)
-  lookahead_rows    finished rows decoded once more (--lookahead on; warm-up included)
+  lookahead_rows    finished rows decoded once more (--lookahead on)
+  mean_running_rows rows decoding together on average (timed run; async: warm-up included):
+                    with --kv-cache-gb fixed, what the layout fits against kv_slots
 With --rows R > N the R rows queue for N slots and are admitted as rows finish; with
 --length-median each row stops at its own log-normal length (the mix of RL responses):
 then tokens_per_s over the whole run is the figure, step_ms a median of mixed steps.
@@ -127,6 +129,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "capped at --max-new-tokens, as real responses do (0: every row runs to the cap)",
     )
     p.add_argument("--length-sigma", type=float, default=0.75)
+    p.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=0.0,
+        help="the KV budget (0: 64 GiB on CUDA, 4 on CPU); slots = min(N, budget // slot)",
+    )
     p.add_argument(
         "--rows",
         type=int,
@@ -264,11 +272,14 @@ def _measure(
     def requests(max_new: int) -> list[Request]:
         return _requests(n, args, gen, model.config.vocab_size, max_new)
 
+    before = dict.fromkeys(engine.stats, 0.0)  # async: the warm-up's steps counted too
     if frontend == "async":
         wall, times, tokens = _through_async(engine, requests(8), requests(args.max_new_tokens))
     else:
         _drive(engine, requests(8))  # warm-up: allocator, kernels, prefill shapes
+        before = dict(engine.stats)
         wall, times, tokens = _drive(engine, requests(args.max_new_tokens))
+    run = {k: engine.stats[k] - before[k] for k in engine.stats}
     kernels = _kernels(engine, n) if device.type == "cuda" and frontend == "sync" else None
     step = statistics.median(times[1:]) if len(times) > 1 else times[0]
     result = {
@@ -291,8 +302,15 @@ def _measure(
         "rows": int(getattr(args, "rows", 0) or 0) or n,
         "length_median": int(getattr(args, "length_median", 0) or 0),
         "lookahead": engine.lookahead,
-        "lookahead_rows": engine.stats["lookahead_rows"],
-        "preemptions": engine.stats["preemptions"],
+        "lookahead_rows": run["lookahead_rows"],
+        "preemptions": run["preemptions"],
+        # rows decoding together on average: with a length mix and a fixed budget, how many
+        # sequences the KV layout fits (slots reserve max_model_len each; paged, what rows
+        # hold); kv_slots: the slot layout's count for the budget (paged: max_num_seqs)
+        "mean_running_rows": round(run["decode_tokens"] / max(1, run["steps"]), 1),
+        "decode_steps": int(run["steps"]),
+        "kv_slots": engine.num_slots,
+        "kv_blocks_peak": engine.paged.peak_blocks if engine.paged is not None else 0,
         # share of decoded rows that read their prompt's blocks once per group (cascade)
         "shared_prefix_share": round(
             engine.stats["shared_prefix_rows"] / max(1, engine.stats["decode_tokens"]), 3
@@ -313,7 +331,8 @@ def _engine_config(
 ) -> EngineConfig:
     return EngineConfig(
         max_model_len=args.prompt_len + args.max_new_tokens,
-        kv_cache_gb=64.0 if device.type == "cuda" else 4.0,
+        kv_cache_gb=float(getattr(args, "kv_cache_gb", 0) or 0)
+        or (64.0 if device.type == "cuda" else 4.0),
         max_num_seqs=n,
         cuda_graphs=graphs,
         # ignore-EOS rows all finish together: one bucket is used (a length mix: all)
