@@ -12,6 +12,7 @@ import torch
 from hybridflow.models.loader import ModelOptions, load_model
 from hybridflow.stages.base import StageContext
 from hybridflow.stages.rollout.native.engine import EngineConfig, NativeEngine
+from hybridflow.stages.rollout.native.kv_cache import SlotCache
 from hybridflow.stages.rollout.native.request import Request
 
 OVERRIDES = {"initializer_range": 0.3}
@@ -72,3 +73,21 @@ def capture(call: Any) -> tuple[Any, Any]:
     with torch.cuda.graph(graph):
         out = call()
     return graph, out
+
+
+def slot_cache(**kw: Any) -> SlotCache:
+    """A small allocated CPU SlotCache with no model (tests of the cache's own books)."""
+    args: dict[str, Any] = {
+        "layers": 1,
+        "kv_heads": 1,
+        "head_dim": 4,
+        "max_len": 16,
+        "dtype": torch.float32,
+        "device": torch.device("cpu"),
+        "budget_gb": 0.01,
+        "max_slots": 2,
+        "stop_width": 1,
+    }
+    cache = SlotCache(**(args | kw))
+    cache.allocate()
+    return cache

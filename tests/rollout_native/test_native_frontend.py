@@ -51,19 +51,23 @@ def test_bad_request_fails_only_itself(qwen: Any) -> None:
         front.close()
 
 
-def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(qwen: Any) -> None:
-    core = engine(qwen)
-    front = AsyncEngine(core)
-    real_step = core.step
-    calls = {"n": 0}
+def _break_step(core: Any, at: int) -> None:
+    """`core.step` raises RuntimeError("boom") at its `at`-th call, and only then."""
+    real_step, calls = core.step, {"n": 0}
 
     def flaky_step() -> Any:
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == at:
             raise RuntimeError("boom")
         return real_step()
 
-    core.step = flaky_step  # type: ignore[method-assign]
+    core.step = flaky_step
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(qwen: Any) -> None:
+    core = engine(qwen)
+    front = AsyncEngine(core)
+    _break_step(core, at=3)
     try:
         fut = front.submit(Request(prompts(2), GREEDY))
         with pytest.raises(RuntimeError, match="boom"):
@@ -163,15 +167,7 @@ def test_driven_engine_steps_in_the_worker_thread_and_joins_running_drives(qwen:
 
 def test_driven_engine_fails_a_broken_step_goes_on_and_closes_what_runs(qwen: Any) -> None:
     core, worker = engine(qwen, max_model_len=512, kv_cache_gb=0.2), _Worker()
-    real_step, calls = core.step, {"n": 0}
-
-    def flaky_step() -> Any:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("boom")
-        return real_step()
-
-    core.step = flaky_step  # type: ignore[method-assign]
+    _break_step(core, at=2)
     front = AsyncEngine(core, driver=worker.compute)
 
     async def scenario() -> Any:

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from native_helpers import engine, prompts, run_all
+from native_helpers import engine, prompts, run_all, slot_cache
 from test_native_paged import check_blocks, equal_outputs, paged
 
 from hybridflow.bench import native_engine
 from hybridflow.stages.rollout.native.frontend import AsyncEngine
-from hybridflow.stages.rollout.native.kv_cache import Readback, SlotCache
+from hybridflow.stages.rollout.native.kv_cache import Readback
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
 
 STOPS = (7, 19, 33, 58, 101, 150)  # ~3% of the tiny vocabulary: rows stop at random points
@@ -75,18 +75,7 @@ def test_lockstep_decodes_no_finished_row(qwen: Any) -> None:
 
 
 def test_a_finished_row_decoded_again_keeps_its_state() -> None:
-    c = SlotCache(
-        layers=1,
-        kv_heads=1,
-        head_dim=4,
-        max_len=16,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        budget_gb=0.01,
-        max_slots=2,
-        stop_width=1,
-    )
-    c.allocate()
+    c = slot_cache()
     rows = torch.tensor([0, 1])
     params = {"max_new": torch.tensor([2, 5]), "stop": torch.tensor([[9], [-1]])}
     c.init_rows(rows, torch.tensor([3, 4]), params)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from native_helpers import engine, prompts, run_all
+from native_helpers import engine, prompts, run_all, slot_cache
 
 from hybridflow.stages.rollout.native.frontend import AsyncEngine, EngineClosedError
 from hybridflow.stages.rollout.native.kv_cache import SlotCache
@@ -20,18 +20,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 
 
 def _cache() -> SlotCache:
-    c = SlotCache(
-        layers=2,
-        kv_heads=1,
-        head_dim=2,
-        max_len=32,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        budget_gb=0.01,
-        max_slots=4,
-        stop_width=1,
-    )
-    c.allocate()
+    c = slot_cache(layers=2, head_dim=2, max_len=32, max_slots=4)
     assert c.kv is not None
     c.kv.copy_(torch.randn_like(c.kv))
     c.out_tok.copy_(torch.randint(0, 9, c.out_tok.shape))
