@@ -217,8 +217,10 @@ class HFRollout(RolloutState, RoleBase):
     def _gang(self, params: Params) -> tuple[tuple[Any, ...], int] | None:
         """(gang id, size) when this call is one of a gang of micro-batches to run
         together (`merge_gangs`; Task params mb_gang), else None."""
-        size = int(params.get("mb_gang", 1))
-        if size < 2 or self.opts is None or not self.opts.merge_gangs or self.loop is not None:
+        size, opts = int(params.get("mb_gang", 1)), self.opts
+        if size < 2 or opts is None or not opts.merge_gangs or opts.merge_window_ms:
+            return None
+        if self.loop is not None:  # trajectories run alone
             return None
         return ("gang", params.get("step"), params.get("mb_gang_first")), size
 
