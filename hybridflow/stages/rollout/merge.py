@@ -101,6 +101,8 @@ class CallMerger(Generic[T, R]):
         g.size -= 1
         if g.members and len(g.members) >= g.size:
             self._start_gang(gang)
+        elif g.size <= 0:  # every member failed: nothing left to wait for
+            del self._gangs[gang]
 
     def _start_gang(self, gang: Hashable, late: bool = False) -> None:
         g = self._gangs.pop(gang, None)
