@@ -75,12 +75,8 @@ class Watchdog:
         next_look = loop.time() + look_every
         while True:
             await asyncio.sleep(tick)
-            if loop.time() >= next_look:  # who waits on whom: log lines, status.json
-                next_look = loop.time() + look_every
-                found = self.waits(started_at, all_ready.done())
-                for w in reporter.due(found, loop.time()):
-                    log.warning("%s", w.line())
-                report(found)
+            # Deaths and deadlines first: a task past its bound is ended in this tick, not
+            # reported as waiting "past it" first (the report and the bound share a tick).
             now = loop.time()
             dead = self.dead(now, started_at=started_at, all_ready=all_ready.done())
             if dead is not None:
@@ -88,6 +84,12 @@ class Watchdog:
             late = check_deadlines(self.peers, loop.time(), live) or self.driver_late()
             if late is not None:
                 return late
+            if loop.time() >= next_look:  # who waits on whom: log lines, status.json
+                next_look = loop.time() + look_every
+                found = self.waits(started_at, all_ready.done())
+                for w in reporter.due(found, loop.time()):
+                    log.warning("%s", w.line())
+                report(found)
 
     def dead(self, now: float, *, started_at: float, all_ready: bool) -> HybridflowError | None:
         """A process that exited, a silent stage, or a setup past its bound (peers.py)."""
