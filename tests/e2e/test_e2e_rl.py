@@ -63,6 +63,8 @@ def test_grpo_reward_rises_and_every_metric_is_written(tmp_path, capsys):
     assert first < 0.15 and last > 2 * first + 0.1, history
     assert rows[-1]["actor/kl"] > 0  # the policy moved away from the reference
     assert all(math.isclose(r["actor/lr"], 0.01) for r in rows)
+    # every step's two micro-batches went out as one gang and decoded as one loop
+    assert all(r["rollout/concurrent_calls"] == 2.0 for r in rows), rows
     assert rows == [{"step": int(m["step"]), **_plain(m)} for m in result.metrics]
     # the other sinks of the preset: plot, TensorBoard, console (with its summary)
     assert (run_dir / "plot.png").stat().st_size > 10_000
