@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -351,6 +352,19 @@ def test_a_gang_member_that_fails_its_checks_does_not_hold_the_others():
     off = make_role(HFRollout, "rollout", {"model": "tiny", "merge_gangs": False})
     outs = _together(off, [(prompt_batch(), _gang(1, m)) for m in range(2)])
     assert [o[1]["rollout/concurrent_calls"] for o in outs] == [1.0, 1.0]
+
+
+def test_gangs_merge_on_the_cpu_by_default_and_on_a_gpu_when_asked():
+    role = make_role(HFRollout, "rollout", {"model": "tiny"})
+    assert role.opts.merge_gangs is None and role._gang(_gang(2, 1)) == (("gang", 2, 0), 2)
+    assert role._gang({"step": 2, "mb_id": 1}) is None  # sent alone
+    cpu, role.device = role.device, torch.device("cuda")  # what _gang reads of the device
+    try:
+        assert role._gang(_gang(2, 1)) is None  # a GPU: one loop's KV for the whole gang
+        role.opts = dataclasses.replace(role.opts, merge_gangs=True)
+        assert role._gang(_gang(2, 1)) is not None
+    finally:
+        role.device = cpu
 
 
 def test_a_gang_short_of_a_member_runs_the_others_after_the_wait(caplog):

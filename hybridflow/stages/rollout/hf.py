@@ -44,10 +44,11 @@ replica index is deliberately not part of the seed.
 
 Batching across micro-batches: `generate` is a concurrent op. It checks a call on the
 stage's loop (where seeds are drawn), then hands it to a CallMerger (rollout/merge.py),
-which runs it in the stage's worker thread. By default (`merge_gangs`) the micro-batches
-the coordinator sent together (a gang: one op and step, this replica, one scheduling
-round; Task params `mb_gang`) decode as one forward loop, in mb_id order: a function of
-the schedule, so runs and resumes stay bit-identical. Opt-in, `merge_window_ms` > 0
+which runs it in the stage's worker thread. On the CPU by default (`merge_gangs`; on a
+GPU when set, memory permitting) the micro-batches the coordinator sent together (a gang:
+one op and step, this replica, one scheduling round; Task params `mb_gang`) decode as one
+forward loop, in mb_id order: a function of the schedule, so runs and resumes stay
+bit-identical. Opt-in, `merge_window_ms` > 0
 merges whatever arrives within that window or queues behind a running call instead (not
 bit-reproducible: arrival times decide who shares a loop). Either way each call's rows
 draw from the call's own generator, so its samples are those of running it alone, up to
@@ -218,7 +219,9 @@ class HFRollout(RolloutState, RoleBase):
         """(gang id, size) when this call is one of a gang of micro-batches to run
         together (`merge_gangs`; Task params mb_gang), else None."""
         size, opts = int(params.get("mb_gang", 1)), self.opts
-        if size < 2 or opts is None or not opts.merge_gangs or opts.merge_window_ms:
+        if size < 2 or opts is None or opts.merge_window_ms:
+            return None
+        if not (self.device.type == "cpu" if opts.merge_gangs is None else opts.merge_gangs):
             return None
         if self.loop is not None:  # trajectories run alone
             return None

@@ -62,8 +62,10 @@ class HFRolloutOptions(ModelOptions):
     # replica, one scheduling round: a "gang", Task params mb_gang) decode as one forward
     # loop, ordered by mb_id. The batch follows from the schedule, not from arrival times,
     # so runs and resumes stay bit-identical (to each other; not to runs without it: a
-    # wider batch rounds differently). False: every call alone
-    merge_gangs: bool = True
+    # wider batch rounds differently). None: on the CPU only (on a GPU a gang's rows share
+    # one loop's KV cache, which a micro_batch sized to the GPU's memory may not fit;
+    # `max_batch_size` bounds the rows of a loop); True: on any device; False: never
+    merge_gangs: bool | None = None
     # multi-turn (module docstring); every one is ignored while `env` is ""
     env: str = ""
     env_options: dict[str, Any] = field(default_factory=dict)
