@@ -372,7 +372,8 @@ def _shrink(cache: Any, live: torch.Tensor, finished: torch.Tensor) -> torch.Ten
     parameters, 64 rows: bench/RESULTS.md session 15); a cache that cannot select rows
     keeps them all."""
     gone = finished[live]
-    if int(gone.sum()) * SHRINK_SHARE < live.numel() or bool(gone.all()):
+    count = int(gone.sum())  # one read of the device per step
+    if count * SHRINK_SHARE < live.numel() or count == live.numel():
         return live
     if not hasattr(cache, "batch_select_indices"):
         return live
