@@ -50,7 +50,8 @@ class Dispatch:
     inputs: Batch
     policy_version: int
     samples: bool = False  # the micro-batch holds sampled rows: ask for the sample fields
-    # (first mb_id, size) of the gang it went out in (scheduler.mark_gangs); (mb_id, 1): alone
+    # (first mb_id, size) of the gang it went out in (scheduler.mark_gangs; size 1: alone;
+    # step and driver ops keep the default)
     gang: tuple[int, int] = (-1, 1)
 
     def returns(self) -> list[str]:
