@@ -122,6 +122,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "(engine.py 'Lookahead')",
     )
     p.add_argument(
+        "--decode-kernels",
+        choices=("on", "off"),
+        default="on",
+        help="the Triton RoPE+KV-write and sampling kernels (EngineConfig.rope_kernel, "
+        "sample_kernel); off: the compiled torch functions and the torch sampler",
+    )
+    p.add_argument(
         "--length-median",
         type=int,
         default=0,
@@ -302,6 +309,7 @@ def _measure(
         "rows": int(getattr(args, "rows", 0) or 0) or n,
         "length_median": int(getattr(args, "length_median", 0) or 0),
         "lookahead": engine.lookahead,
+        "decode_kernels": engine.sampler._work is not None,
         "lookahead_rows": run["lookahead_rows"],
         "preemptions": run["preemptions"],
         # rows decoding together on average: with a length mix and a fixed budget, how many
@@ -347,6 +355,8 @@ def _engine_config(
             0 if getattr(args, "shared_prefix", "auto") == "on" else PREFIX_MIN_SAVED
         ),
         lookahead=getattr(args, "lookahead", "off") == "on",
+        rope_kernel=getattr(args, "decode_kernels", "on") == "on",
+        sample_kernel=getattr(args, "decode_kernels", "on") == "on",
     )
 
 

@@ -64,6 +64,7 @@ from hybridflow.stages.rollout.native.request import (
     check_request,
     row_params,
 )
+from hybridflow.stages.rollout.native.sample_kernel import StepSampler
 from hybridflow.stages.rollout.native.sampler import row_uniform, sample
 from hybridflow.stages.rollout.native.scheduler import Admission, Moves, RowRef, Scheduler
 
@@ -89,7 +90,7 @@ class NativeEngine:
         self.fused_off: str | None = "fused_decode: false"  # why decode takes the module path
         compiled = config.compile_decode and self.device.type == "cuda"
         if config.fused_decode:
-            self.fused_off = self.model.fuse(compile_fns=compiled)
+            self.fused_off = self.model.fuse(compile_fns=compiled, rope_kernel=config.rope_kernel)
             if self.fused_off is not None:
                 log.info("%s: decode takes the module path: %s", path or "native", self.fused_off)
         # The per-row uniforms are ~35 integer ops on [B] (4 hash rounds): one kernel
@@ -133,7 +134,7 @@ class NativeEngine:
         # Cache positions any slot may hold valid K/V at (running rows and parked sessions
         # alike): slot moves copy only these. Back to 0 when no slot holds anything.
         self._high = 0
-        self.logits: torch.Tensor | None = None  # [S, V] float32, the decode step's output
+        self.sampler = StepSampler(config.sample_kernel)  # owns the [S, V] logits buffer
         self.stats = {
             "steps": 0,
             "decode_tokens": 0,
@@ -160,9 +161,8 @@ class NativeEngine:
         if self.cache.allocated:
             return
         self.cache.allocate()
-        self.logits = torch.zeros(
-            self.num_slots, self.model.vocab, dtype=torch.float32, device=self.device
-        )
+        m = self.model
+        self.sampler.allocate(self.num_slots, m.vocab, m.lm_head, m.autocast, self.device)
         self._probe_compiled()
         self.refresh_graphs()
 
@@ -197,7 +197,7 @@ class NativeEngine:
         if self.graphs is not None:
             self.graphs.clear()
         self.cache.release()
-        self.logits = None
+        self.sampler.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return held
@@ -345,21 +345,21 @@ class NativeEngine:
         """The decode forward of rows 0..b-1; `split`: 1 reads shared prompt blocks once
         per group (the paged cache's cascade attention), 0 plain (graphs capture both)."""
         c = self.cache
-        assert self.logits is not None and c.allocated
+        logits = self.sampler.logits
+        assert logits is not None and c.allocated
         paged, policy = self.paged, self.paged is not None and self.paged.cascade
         if paged is not None:
             paged.cascade = bool(split)
         try:
-            self.model.decode(c.tokens[:b], c.positions[:b], c.rows[:b], c, n, self.logits[:b])
+            self.model.decode(c.tokens[:b], c.positions[:b], c.rows[:b], c, n, logits[:b])
         finally:
             if paged is not None:
                 paged.cascade = policy
 
     def _sample(self, b: int, truncate: bool) -> None:
         c = self.cache
-        assert self.logits is not None
         u = self._uniform(c.seed_lo[:b], c.seed_hi[:b], c.row[:b], c.gen_len[:b])
-        tok, lp = sample(self.logits[:b], c.temperature[:b], c.top_k[:b], c.top_p[:b], u, truncate)
+        tok, lp = self.sampler(b, c.temperature[:b], c.top_k[:b], c.top_p[:b], u, truncate)
         c.record(c.rows[:b], tok, lp)
 
     def _prefill(self) -> None:

@@ -207,6 +207,12 @@ class SlotCache:
         """Where position p of slot s lives: kv[layer, 0 or 1][a, :, b] (device tensors)."""
         return slots, positions
 
+    def layer_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's K and V storage, [A, Hkv, P, D] each: position p of slot s lives at
+        [a, :, b] for (a, b) = address(s, p) (a fused kernel writes there itself)."""
+        assert self.kv is not None
+        return self.kv[i, 0], self.kv[i, 1]
+
     def write(self, i: int, at: tuple[torch.Tensor, torch.Tensor], k: Any, v: Any) -> None:
         """Layer i's K and V [N, Hkv, D] into the addresses `at` ([N] each)."""
         assert self.kv is not None

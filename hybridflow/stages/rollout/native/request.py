@@ -151,6 +151,12 @@ class EngineConfig:
     # overlaps only on CUDA: on the CPU the host is the device). Off by default until an
     # H200 run measures it (bench/RESULTS.md "Session 15")
     lookahead: bool = False
+    # Triton kernels in the decode step (CUDA; the torch paths stay the reference): one
+    # per layer for the q/k/v split, norms, RoPE and K/V writes (forward/rope_write.py),
+    # and two for an untruncated sampling step (sample_kernel.py), which then reads the
+    # head's bfloat16 logits without a float32 copy
+    rope_kernel: bool = True
+    sample_kernel: bool = True
 
 
 def check_config(config: EngineConfig, path: str) -> None:

@@ -108,6 +108,9 @@ class NativeRolloutOptions(HFRolloutOptions):
     # H200); a compile that fails falls back to eager with a warning. Measured on an H200
     # (bench/RESULTS.md): Qwen2-0.5B, 152k vocab, 256 rows 51.2k -> 79.1k tok/s
     compile_decode: bool = True
+    # ... and Triton kernels for the q/k/v epilogue with its K/V writes (one per layer) and
+    # for an untruncated sampling step (CUDA; request.EngineConfig says more)
+    decode_kernels: bool = True
     graph_batch_sizes: list[int] = field(default_factory=list)  # [] = default buckets
     # attention lengths of decode steps ([] = 64, 128, ... up to the slot's; one value
     # >= max_prompt_len + max_new_tokens makes every step read whole slots)
@@ -233,6 +236,8 @@ class NativeRollout(RolloutState, RoleBase):
             kv_block_size=opts.kv_block_size,
             shared_prefix=opts.shared_prefix_attention,
             lookahead=opts.decode_lookahead,
+            rope_kernel=opts.decode_kernels,
+            sample_kernel=opts.decode_kernels,
         )
         self.loop = trajectory_loop(ctx, opts, self.tokenizer, self.eos_ids, max_len)
         # CPU single-turn: the engine steps in the worker thread (frontend.py "Driven"); a

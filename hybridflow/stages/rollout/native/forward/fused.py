@@ -45,6 +45,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridflow.stages.rollout.native.forward import rope_write
+
 log = logging.getLogger("hybridflow.rollout.native")
 
 _ACTS = ("silu",)  # hidden_act values whose MLP is silu(gate) * up
@@ -157,8 +159,11 @@ def _merge(params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, list[Any]]:
 class FusedDecode:
     """The merged weights and the decode step over them (see the module docstring)."""
 
-    def __init__(self, model: Any, *, compile_fns: bool = False) -> None:
+    def __init__(self, model: Any, *, compile_fns: bool = False, rope_kernel: bool = False) -> None:
         self.model = model  # the NativeModel: its modules, cos/sin, heads, dtype
+        # qkv_rope and the K/V writes as one Triton kernel per layer (rope_write.py), where
+        # it computes what they do (CUDA; projections, tables, norms and cache of one dtype)
+        self.rope_kernel = rope_kernel
         self.layers: list[_Layer] = []
         with torch.no_grad():
             for layer in model.layers:
@@ -224,7 +229,12 @@ class FusedDecode:
         the head's output is cast into it, not first into a float32 copy of its own)."""
         m = self.model
         b = tokens.shape[0]
-        cos, sin = m.cos[positions], m.sin[positions]  # [B, D]
+        norms = tuple(None if x is None else x.weight for x in m.qk_norms[0])
+        kernel = self.rope_kernel and rope_write.applies(
+            m.dtype, m.cos, norms, cache.layer_kv(0)[0], m.device
+        )
+        if not kernel:
+            cos, sin = m.cos[positions], m.sin[positions]  # [B, D]
         # One additive mask (or paged lengths) per step, one address per row.
         meta = cache.decode_meta(positions, n, m.dtype)
         at = cache.address(rows, positions)
@@ -240,18 +250,19 @@ class FusedDecode:
                     h, x = self._add_norm(x, delta, ln1.weight, ln1.variance_epsilon)
                 q_norm, k_norm = m.qk_norms[i]
                 eps = q_norm.variance_epsilon if q_norm is not None else 0.0
-                q, k, v = self._qkv_rope(
-                    F.linear(h, fw.qkv_w, fw.qkv_b),
-                    cos,
-                    sin,
-                    None if q_norm is None else q_norm.weight,
-                    None if k_norm is None else k_norm.weight,
-                    eps,
-                    m.num_kv_heads,
-                    m.head_dim,
-                    m.dtype,
-                )
-                cache.write(i, at, k, v)
+                qn = None if q_norm is None else q_norm.weight
+                kn = None if k_norm is None else k_norm.weight
+                qkv = F.linear(h, fw.qkv_w, fw.qkv_b)
+                if kernel:  # split, norms, RoPE and the K/V writes in one launch
+                    kc, vc = cache.layer_kv(i)
+                    q = rope_write.qkv_rope_write(
+                        qkv, m.cos, m.sin, positions, qn, kn, eps, kc, vc, at
+                    )
+                else:
+                    q, k, v = self._qkv_rope(
+                        qkv, cos, sin, qn, kn, eps, m.num_kv_heads, m.head_dim, m.dtype
+                    )
+                    cache.write(i, at, k, v)
                 o = cache.attend(i, q, meta, attn.scaling)  # [B, Hkv, G, D]
                 o = attn.o_proj(o.reshape(b, -1))
                 ln2 = layer.post_attention_layernorm
@@ -262,7 +273,16 @@ class FusedDecode:
             h, _ = self._add_norm(x, delta, m.norm.weight, m.norm.variance_epsilon)
             if out is None:
                 return m.lm_head(h).float()
-            return out.copy_(m.lm_head(h))
+            head = m.lm_head
+            if (
+                type(head) is torch.nn.Linear
+                and head.bias is None
+                and out.dtype == h.dtype == head.weight.dtype
+            ):
+                # the engine's logits buffer in the head's own dtype (sample_kernel reads
+                # bf16): the GEMM writes it directly, no [B, V] copy
+                return torch.mm(h, head.weight.t(), out=out)
+            return out.copy_(head(h))
 
 
 def _qkv(attn: Any) -> list[Any]:

@@ -107,11 +107,11 @@ class NativeModel:
         self.cos, self.sin = cos[0], sin[0]  # [L, D]
         self.fused: FusedDecode | None = None  # decode in few kernels (fused.py), if fuse()d
 
-    def fuse(self, *, compile_fns: bool = False) -> str | None:
+    def fuse(self, *, compile_fns: bool = False, rope_kernel: bool = False) -> str | None:
         """Take the fused decode path (fused.py) -> None, or why this model cannot."""
         why = unfusable(self.hf)
         if why is None:
-            self.fused = FusedDecode(self, compile_fns=compile_fns)
+            self.fused = FusedDecode(self, compile_fns=compile_fns, rope_kernel=rope_kernel)
         return why
 
     def unfuse(self) -> None:
