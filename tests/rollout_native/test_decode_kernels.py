@@ -132,7 +132,7 @@ def test_engine_with_decode_kernels_gives_the_torch_paths_tokens(
         kw: dict[str, Any] = {"max_num_seqs": 16, "graph_batch_sizes": (4, 8, 16)}
         kw["kv_block_size"] = kv_block_size
         off = run_all(engine(model, rope_kernel=False, sample_kernel=False, **kw), reqs)
-        eng = engine(model, **kw)
+        eng = engine(model, rope_kernel=True, sample_kernel=True, **kw)
         assert eng.sampler._work is not None
         assert eng.sampler.logits is not None
         if dtype == "bfloat16":

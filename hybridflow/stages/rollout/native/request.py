@@ -154,9 +154,10 @@ class EngineConfig:
     # Triton kernels in the decode step (CUDA; the torch paths stay the reference): one
     # per layer for the q/k/v split, norms, RoPE and K/V writes (forward/rope_write.py),
     # and two for an untruncated sampling step (sample_kernel.py), which then reads the
-    # head's bfloat16 logits without a float32 copy
-    rope_kernel: bool = True
-    sample_kernel: bool = True
+    # head's bfloat16 logits without a float32 copy. Off until a GPU run has tested and
+    # measured them (bench/RESULTS.md, session 16)
+    rope_kernel: bool = False
+    sample_kernel: bool = False
 
 
 def check_config(config: EngineConfig, path: str) -> None:

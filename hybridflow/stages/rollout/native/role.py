@@ -109,8 +109,9 @@ class NativeRolloutOptions(HFRolloutOptions):
     # (bench/RESULTS.md): Qwen2-0.5B, 152k vocab, 256 rows 51.2k -> 79.1k tok/s
     compile_decode: bool = True
     # ... and Triton kernels for the q/k/v epilogue with its K/V writes (one per layer) and
-    # for an untruncated sampling step (CUDA; request.EngineConfig says more)
-    decode_kernels: bool = True
+    # for an untruncated sampling step (CUDA; request.EngineConfig says more). Off until
+    # a GPU run has tested and measured them
+    decode_kernels: bool = False
     graph_batch_sizes: list[int] = field(default_factory=list)  # [] = default buckets
     # attention lengths of decode steps ([] = 64, 128, ... up to the slot's; one value
     # >= max_prompt_len + max_new_tokens makes every step read whole slots)
