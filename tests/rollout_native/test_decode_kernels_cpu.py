@@ -24,7 +24,7 @@ def test_kernels_asked_for_on_the_cpu_keep_the_torch_paths(tokenizer: Any) -> No
         Request(prompts(3, seed=k), SamplingParams(temperature=t, max_new_tokens=10), seed=k)
         for k, t in ((1, 0.0), (2, 1.0))
     ]
-    off = run_all(engine(model, kv_block_size=16), reqs)
+    off = run_all(engine(model, rope_kernel=False, sample_kernel=False, kv_block_size=16), reqs)
     eng = engine(model, rope_kernel=True, sample_kernel=True, kv_block_size=16)
     assert eng.sampler._work is None  # no kernel work buffers: the torch sampler runs
     assert eng.sampler.logits is not None and eng.sampler.logits.dtype == torch.float32

@@ -4,6 +4,7 @@ continuous batching through graph buckets, sleep frees memory, aliasing re-captu
 from __future__ import annotations
 
 import inspect
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -177,7 +178,7 @@ def test_lookahead_leaves_no_host_wait_but_the_readback(cuda_model: Any) -> None
     from the device is asynchronous (torch's sync debug mode)."""
     params = SamplingParams(temperature=1.0, max_new_tokens=40, n=2, stop_token_ids=(7, 19, 33))
     reqs = [
-        Request([p.cuda() for p in prompts(4, seed=k, lo=3, hi=30)], params, seed=k)
+        Request([p.cuda() for p in prompts(4, seed=k, lo=3, hi=24)], params, seed=k)
         for k in range(4)
     ]
     kw: dict[str, Any] = {"kv_block_size": 16, "max_num_seqs": 16, "graph_batch_sizes": (4, 8)}
@@ -186,10 +187,24 @@ def test_lookahead_leaves_no_host_wait_but_the_readback(cuda_model: Any) -> None
     run_all(eng, reqs[:1])  # warm-up: kernels, the allocators' first blocks
     ids = [eng.add_request(r) for r in reqs]
     outs: dict[int, Any] = {}
-    torch.cuda.set_sync_debug_mode("warn")
+    # Each sync warning with the Python stack it was raised under: torch reports a wait
+    # in its own frames (an event's synchronize in torch/cuda/streams.py), so the test
+    # asks whether the Readback's code is on the stack, not where the warning points.
+    stacks: list[list[tuple[str, int]]] = []
+
+    def keep(message: Any, *args: Any, **kw: Any) -> None:
+        if "synchronizing" in str(message):
+            stacks.append(
+                [(Path(f.filename).name, f.lineno or 0) for f in traceback.extract_stack()]
+            )
+
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = keep
+            # inside the catch: turning the mode on warns that it is a prototype, which
+            # the suite's warnings-as-errors would raise with the mode left on
+            torch.cuda.set_sync_debug_mode("warn")
             while eng.has_work():
                 outs.update({o.request_id: o for o in eng.step()})
     finally:
@@ -197,7 +212,11 @@ def test_lookahead_leaves_no_host_wait_but_the_readback(cuda_model: Any) -> None
     for a, b in zip(lockstep, (outs[i] for i in ids), strict=True):
         assert torch.equal(a.tokens, b.tokens)
     lines, first = inspect.getsourcelines(Readback)
-    sites = {(Path(w.filename).name, w.lineno) for w in caught if "synchroniz" in str(w.message)}
-    assert sites, "the sync debug mode reported nothing: the readback's waits are missing"
-    assert all(f == "kv_cache.py" and first <= n < first + len(lines) for f, n in sites), sites
+
+    def readback(stack: list[tuple[str, int]]) -> bool:
+        return any(f == "kv_cache.py" and first <= n < first + len(lines) for f, n in stack)
+
+    assert stacks, "the sync debug mode reported nothing: the readback's waits are missing"
+    others = [s[-6:] for s in stacks if not readback(s)]
+    assert not others, others
     assert eng.stats["lookahead_rows"] > 0

@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -292,6 +292,11 @@ class NativeEngine:
         session = request.session if self.config.keep_sessions else None
         if session is not None:
             self._check_session(request, where)
+        if any(x.device.type != "cpu" for x in request.prompts):
+            # prompts live on the host: an admission builds its token batch there and
+            # copies it once, without waiting; a device prompt would be read back inside
+            # step(), a host wait per admission (seen on an H100, session 16)
+            request = replace(request, prompts=[x.cpu() for x in request.prompts])
         rid = next(self._ids)
         self._live[rid] = _Live(request, [None] * request.rows, [None] * request.rows)
         self.scheduler.add(rid, [int(x.numel()) for x in request.prompts], p.n, session)

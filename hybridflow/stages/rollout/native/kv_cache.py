@@ -266,8 +266,10 @@ class SlotCache:
         params: dict[str, torch.Tensor],  # per-slot buffer name -> [R] (or [R, W]) values
     ) -> None:
         self.positions[slots] = last_pos
-        self.gen_len[slots] = 0
-        self.done[slots] = False
+        # index_fill_, not `x[slots] = 0`: a Python scalar assigned through an index is
+        # first copied to the device from the host, a sync (seen on an H100, session 16)
+        self.gen_len.index_fill_(0, slots, 0)
+        self.done.index_fill_(0, slots, False)
         for name, value in params.items():
             getattr(self, name)[slots] = to_device(value, self.device)
 

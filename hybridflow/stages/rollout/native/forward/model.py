@@ -318,8 +318,12 @@ def prompt_logits(
             [prompts[u].numel() for u in fresh],
             width,
         )
-        out[fresh] = model.prefill(
-            to_device(tokens, dev), to_device(lengths[fresh], dev), writes, cache
+        # rows of `out` by a device index: `out[list]` copies the list to the device
+        # synchronously (seen on an H100, session 16), `to_device` does not wait
+        out.index_copy_(
+            0,
+            to_device(fresh, dev),
+            model.prefill(to_device(tokens, dev), to_device(lengths[fresh], dev), writes, cache),
         )
         stats["prefill_tokens"] += int(lengths[fresh].sum())
     if cont:  # a session's prompt has one row, in the slot its K/V was moved to
@@ -329,12 +333,16 @@ def prompt_logits(
         tokens = torch.zeros(len(cont), int(counts.max()), dtype=torch.int64)  # [Uc, A]
         for j, x in enumerate(new):
             tokens[j, : x.numel()] = x
-        out[cont] = model.extend(
-            to_device(tokens, dev),
-            counts,
-            torch.tensor([cached[u] for u in cont], dtype=torch.int64),
-            torch.tensor([slot_of[u] for u in cont], dtype=torch.int64),
-            cache,
+        out.index_copy_(
+            0,
+            to_device(cont, dev),
+            model.extend(
+                to_device(tokens, dev),
+                counts,
+                torch.tensor([cached[u] for u in cont], dtype=torch.int64),
+                torch.tensor([slot_of[u] for u in cont], dtype=torch.int64),
+                cache,
+            ),
         )
         stats["prefill_tokens"] += int(counts.sum())
         stats["reused_tokens"] += sum(cached[u] for u in cont)
