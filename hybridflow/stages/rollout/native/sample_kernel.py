@@ -50,16 +50,6 @@ CHUNK = 1024
 MAX_CHUNKS = 1024  # C's bound: vocabularies up to 1M tokens
 
 
-def available(logits: torch.Tensor) -> bool:
-    """True where the kernels run: triton imports, `logits` is a 2-D CUDA tensor (or
-    TRITON_INTERPRET runs them on the CPU) of a float dtype, dense along V."""
-    if not _TRITON or logits.dim() != 2 or logits.stride(-1) != 1:
-        return False
-    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    return logits.is_cuda or _interpreting()
-
-
 def _interpreting() -> bool:
     import os
 
