@@ -309,7 +309,7 @@ def _measure(
         "rows": int(getattr(args, "rows", 0) or 0) or n,
         "length_median": int(getattr(args, "length_median", 0) or 0),
         "lookahead": engine.lookahead,
-        "decode_kernels": engine.sampler._work is not None,
+        "decode_kernels": engine.sampler.kernels,
         "lookahead_rows": run["lookahead_rows"],
         "preemptions": run["preemptions"],
         # rows decoding together on average: with a length mix and a fixed budget, how many

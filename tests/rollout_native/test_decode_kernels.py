@@ -93,7 +93,7 @@ def test_rope_write_equals_qkv_rope_and_the_index_writes(
     q, k, v = qkv_rope(qkv, cos[pos], sin[pos], qn, kn, 1e-6, hkv, d, dtype)
     ref[0][at[0], :, at[1]] = k
     ref[1][at[0], :, at[1]] = v
-    assert rope_write.applies(dtype, cos, (qn, kn), kv[0], qkv.device)
+    assert rope_write.applies(dtype, cos, (qn, kn), kv.dtype, d, qkv.device)
     got = rope_write.qkv_rope_write(qkv, cos, sin, pos, qn, kn, 1e-6, kv[0], kv[1], at)
     if dtype == torch.bfloat16 and not norms:  # every op rounded as eager's: bit for bit
         assert torch.equal(got, q)
@@ -110,7 +110,7 @@ def test_rope_write_equals_qkv_rope_and_the_index_writes(
 def test_rope_write_does_not_apply_across_dtypes() -> None:
     cos, _ = _tables(8, 64, torch.float32)
     cache = torch.zeros(2, 2, 8, 64, dtype=torch.bfloat16, device="cuda")
-    assert not rope_write.applies(torch.bfloat16, cos, (None, None), cache, cache.device)
+    assert not rope_write.applies(torch.bfloat16, cos, (None, None), cache.dtype, 64, cache.device)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])

@@ -32,7 +32,8 @@ def test_kernels_asked_for_on_the_cpu_keep_the_torch_paths(tokenizer: Any) -> No
         torch.float32,
         model.model.rotary_emb.inv_freq,
         (None, None),
-        torch.zeros(1, 1, 1, 64),
+        torch.float32,
+        64,
         torch.device("cpu"),
     )
     on = run_all(eng, reqs)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.stages.rollout.native.forward.rope_write import runs_on
 from hybridflow.stages.rollout.native.sampler import sample
 
 try:  # the CPU build of torch comes without triton
@@ -48,12 +49,6 @@ except ImportError:
 # chunk sums and one chunk of W (sampler._CHUNK says why ~sqrt(V) keeps both small).
 CHUNK = 1024
 MAX_CHUNKS = 1024  # C's bound: vocabularies up to 1M tokens
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if _TRITON:
@@ -154,10 +149,7 @@ def sample_fused(
     tokens [B] int64, log-probs [B] float32. `work`: (cmax, carg, csum) buffers of at least
     [B, C] (float32, int32, float32) to reuse, e.g. a CUDA graph's static ones."""
     b, vocab = logits.shape
-    width = min(CHUNK, triton.next_power_of_2(vocab))
-    chunks = triton.cdiv(vocab, width)
-    if chunks > MAX_CHUNKS:
-        raise ValueError(f"vocabulary of {vocab} exceeds {MAX_CHUNKS * CHUNK} tokens")
+    width, chunks = _chunking(vocab)
     if work is None:
         work = chunk_buffers(b, vocab, logits.device)
     cmax, carg, csum = (w[:b, :chunks] for w in work)
@@ -186,13 +178,21 @@ def sample_fused(
     return tok, lp
 
 
+def _chunking(vocab: int) -> tuple[int, int]:
+    """-> (W, C): the chunk width (a power of two, at most CHUNK) and the chunk count."""
+    width = min(CHUNK, 1 << max(0, vocab - 1).bit_length())
+    chunks = -(-vocab // width)
+    if chunks > MAX_CHUNKS:
+        raise ValueError(f"vocabulary of {vocab} exceeds {MAX_CHUNKS * CHUNK} tokens")
+    return width, chunks
+
+
 def chunk_buffers(
     rows: int, vocab: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Work buffers for `sample_fused` over up to `rows` rows: [rows, C] each, made
     contiguous so that a [:b, :C] slice is what the kernels index (row stride C)."""
-    width = min(CHUNK, 1 << max(0, vocab - 1).bit_length())
-    c = -(-vocab // width)
+    c = _chunking(vocab)[1]
     return (
         torch.empty(rows, c, dtype=torch.float32, device=device),
         torch.empty(rows, c, dtype=torch.int32, device=device),
@@ -208,12 +208,17 @@ class StepSampler:
     float32 otherwise."""
 
     def __init__(self, use: bool) -> None:
-        self.use = use and _TRITON
+        self.use = use
         self.logits: torch.Tensor | None = None  # [S, V], the decode forward writes it
         self._work: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def kernels(self) -> bool:
+        """True while the kernels sample (allocated where they run)."""
+        return self._work is not None
+
     def allocate(self, rows: int, vocab: int, head: Any, autocast: bool, device: Any) -> None:
-        use = self.use and (device.type == "cuda" or _interpreting())
+        use = self.use and runs_on(device)
         dtype = torch.float32
         if use and type(head) is torch.nn.Linear:  # FP32Linear (fp32_lm_head) stays float32
             dtype = torch.bfloat16 if autocast else head.weight.dtype

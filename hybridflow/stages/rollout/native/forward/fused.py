@@ -163,7 +163,11 @@ class FusedDecode:
         self.model = model  # the NativeModel: its modules, cos/sin, heads, dtype
         # qkv_rope and the K/V writes as one Triton kernel per layer (rope_write.py), where
         # it computes what they do (CUDA; projections, tables, norms and cache of one dtype)
-        self.rope_kernel = rope_kernel
+        # decided once: the cache holds K/V in model.dtype (NativeModel's invariant)
+        norms = tuple(None if x is None else x.weight for x in model.qk_norms[0])
+        self.rope_kernel = rope_kernel and rope_write.applies(
+            model.dtype, model.cos, norms, model.dtype, model.head_dim, model.device
+        )
         self.layers: list[_Layer] = []
         with torch.no_grad():
             for layer in model.layers:
@@ -229,10 +233,7 @@ class FusedDecode:
         the head's output is cast into it, not first into a float32 copy of its own)."""
         m = self.model
         b = tokens.shape[0]
-        norms = tuple(None if x is None else x.weight for x in m.qk_norms[0])
-        kernel = self.rope_kernel and rope_write.applies(
-            m.dtype, m.cos, norms, cache.layer_kv(0)[0], m.device
-        )
+        kernel = self.rope_kernel
         if not kernel:
             cos, sin = m.cos[positions], m.sin[positions]  # [B, D]
         # One additive mask (or paged lengths) per step, one address per row.

@@ -31,6 +31,7 @@ exactly its own cache position, so rows never race.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -44,26 +45,23 @@ except ImportError:
     _TRITON = False
 
 
+def runs_on(device: torch.device) -> bool:
+    """True where this package's Triton kernels run: triton imports and the device is
+    CUDA (or TRITON_INTERPRET=1 runs them on the CPU, for checks by hand)."""
+    return _TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def applies(
     qkv_dtype: torch.dtype,
     tables: torch.Tensor,
     norms: tuple[Any, Any],
-    k_cache: torch.Tensor,
+    cache_dtype: torch.dtype,
+    head_dim: int,
     device: torch.device,
 ) -> bool:
     """True where the kernel computes what the eager ops do (see the module docstring)."""
-    if not _TRITON or not (device.type == "cuda" or _interpreting()):
-        return False
-    dtypes = {qkv_dtype, tables.dtype, k_cache.dtype}
-    dtypes |= {w.dtype for w in norms if w is not None}
-    head_dim = k_cache.shape[-1]
-    return len(dtypes) == 1 and head_dim in (64, 128, 256) and k_cache.stride(-1) == 1
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    dtypes = {qkv_dtype, tables.dtype, cache_dtype} | {w.dtype for w in norms if w is not None}
+    return runs_on(device) and len(dtypes) == 1 and head_dim in (64, 128, 256)
 
 
 if _TRITON:
@@ -81,42 +79,39 @@ if _TRITON:
         return x.to(DT).to(tl.float32)
 
     @triton.jit
-    def _heads(
-        src,  # this row's first element of the heads
-        cos1,
-        cos2,
-        sin1,
-        sin2,  # [HALF] float32 each
-        norm,
-        eps,
-        H: tl.constexpr,
-        H_PAD: tl.constexpr,
-        D: tl.constexpr,
-        HALF: tl.constexpr,
-        NORM: tl.constexpr,
-        ROPE: tl.constexpr,
-        DT: tl.constexpr,
-    ):
-        """H heads of D values at `src` -> their two halves after norm and RoPE, float32
-        holding DT-rounded values, [H_PAD, HALF] each."""
+    def _halves(src, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr):
+        """H heads of D values at `src` -> their first and second halves, float32,
+        [H_PAD, D // 2] each (padding heads read as 0)."""
         h = tl.arange(0, H_PAD)[:, None]
-        d = tl.arange(0, HALF)[None, :]
-        live = h < H
-        x1 = tl.load(src + h * D + d, mask=live, other=0.0).to(tl.float32)
-        x2 = tl.load(src + h * D + HALF + d, mask=live, other=0.0).to(tl.float32)
-        if NORM:
-            var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D  # [H_PAD]
-            inv = 1.0 / tl.sqrt_rn(var + eps)
-            w1 = tl.load(norm + d).to(tl.float32)
-            w2 = tl.load(norm + HALF + d).to(tl.float32)
-            x1 = _r(w1 * _r(x1 * inv[:, None], DT), DT)
-            x2 = _r(w2 * _r(x2 * inv[:, None], DT), DT)
-        if ROPE:
-            # x*cos + cat(-x2, x1)*sin, each product and the sum rounded as eager's are
-            y1 = _r(_r(x1 * cos1[None, :], DT) + _r(-x2 * sin1[None, :], DT), DT)
-            y2 = _r(_r(x2 * cos2[None, :], DT) + _r(x1 * sin2[None, :], DT), DT)
-            return y1, y2
+        d = tl.arange(0, D // 2)[None, :]
+        x1 = tl.load(src + h * D + d, mask=h < H, other=0.0).to(tl.float32)
+        x2 = tl.load(src + h * D + D // 2 + d, mask=h < H, other=0.0).to(tl.float32)
         return x1, x2
+
+    @triton.jit
+    def _norm(x1, x2, weight, eps, D: tl.constexpr, DT: tl.constexpr):
+        """Per-head RMSNorm (fused.rms_norm): float32 variance, the weight times the
+        normed value rounded to DT, rounded again."""
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D  # [H_PAD]
+        inv = 1.0 / tl.sqrt_rn(var + eps)
+        d = tl.arange(0, D // 2)
+        w1 = tl.load(weight + d).to(tl.float32)
+        w2 = tl.load(weight + D // 2 + d).to(tl.float32)
+        x1 = _r(w1[None, :] * _r(x1 * inv[:, None], DT), DT)
+        x2 = _r(w2[None, :] * _r(x2 * inv[:, None], DT), DT)
+        return x1, x2
+
+    @triton.jit
+    def _rope(x1, x2, cos1, cos2, sin1, sin2, DT: tl.constexpr):
+        """x*cos + cat(-x2, x1)*sin, each product and the sum rounded as eager's are."""
+        y1 = _r(_r(x1 * cos1[None, :], DT) + _r(-x2 * sin1[None, :], DT), DT)
+        y2 = _r(_r(x2 * cos2[None, :], DT) + _r(x1 * sin2[None, :], DT), DT)
+        return y1, y2
+
+    @triton.jit
+    def _store(dst, x1, x2, live, DT: tl.constexpr, HALF: tl.constexpr):
+        tl.store(dst, x1.to(DT), mask=live)
+        tl.store(dst + HALF, x2.to(DT), mask=live)
 
     @triton.jit
     def _qkv_rope_write_kernel(
@@ -158,49 +153,19 @@ if _TRITON:
         hq = tl.arange(0, HQ_PAD)[:, None]
         hk = tl.arange(0, HKV_PAD)[:, None]
         dd = d[None, :]
-        q1, q2 = _heads(
-            row, cos1, cos2, sin1, sin2, q_norm, eps, HQ, HQ_PAD, D, HALF, Q_NORM, True, DT
-        )
-        out = q_out + b * HQ * D + hq * D + dd
-        tl.store(out, q1.to(DT), mask=hq < HQ)
-        tl.store(out + HALF, q2.to(DT), mask=hq < HQ)
+        q1, q2 = _halves(row, HQ, HQ_PAD, D)
+        if Q_NORM:
+            q1, q2 = _norm(q1, q2, q_norm, eps, D, DT)
+        q1, q2 = _rope(q1, q2, cos1, cos2, sin1, sin2, DT)
+        _store(q_out + b * HQ * D + hq * D + dd, q1, q2, hq < HQ, DT, HALF)
         at = tl.load(addr_a + b) * s_a + tl.load(addr_p + b) * s_p + hk * s_h + dd
-        k1, k2 = _heads(
-            row + HQ * D,
-            cos1,
-            cos2,
-            sin1,
-            sin2,
-            k_norm,
-            eps,
-            HKV,
-            HKV_PAD,
-            D,
-            HALF,
-            K_NORM,
-            True,
-            DT,
-        )
-        tl.store(k_cache + at, k1.to(DT), mask=hk < HKV)
-        tl.store(k_cache + at + HALF, k2.to(DT), mask=hk < HKV)
-        v1, v2 = _heads(
-            row + (HQ + HKV) * D,
-            cos1,
-            cos2,
-            sin1,
-            sin2,
-            k_norm,
-            eps,
-            HKV,
-            HKV_PAD,
-            D,
-            HALF,
-            False,
-            False,
-            DT,
-        )
-        tl.store(v_cache + at, v1.to(DT), mask=hk < HKV)
-        tl.store(v_cache + at + HALF, v2.to(DT), mask=hk < HKV)
+        k1, k2 = _halves(row + HQ * D, HKV, HKV_PAD, D)
+        if K_NORM:
+            k1, k2 = _norm(k1, k2, k_norm, eps, D, DT)
+        k1, k2 = _rope(k1, k2, cos1, cos2, sin1, sin2, DT)
+        _store(k_cache + at, k1, k2, hk < HKV, DT, HALF)
+        v1, v2 = _halves(row + (HQ + HKV) * D, HKV, HKV_PAD, D)
+        _store(v_cache + at, v1, v2, hk < HKV, DT, HALF)
 
 
 def qkv_rope_write(
@@ -219,7 +184,8 @@ def qkv_rope_write(
     b = qkv.shape[0]
     hkv, d = k_cache.shape[1], k_cache.shape[3]
     hq = qkv.shape[1] // d - 2 * hkv
-    assert v_cache.stride() == k_cache.stride() and qkv.stride(1) == 1 and cos.stride(1) == 1
+    assert v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1
+    assert qkv.stride(1) == 1 and cos.stride(1) == 1
     q = torch.empty(b, hq * d, dtype=k_cache.dtype, device=qkv.device)
     dummy = cos  # an unused pointer where a norm is absent
     _qkv_rope_write_kernel[(b,)](
