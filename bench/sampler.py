@@ -1,4 +1,4 @@
-"""Time and kernel count of the native sampler (stages/rollout/native/sampler.py) against
+"""Time and kernel count of the native sampler (stages/rollout/native/sampling/sampler.py) against
 the former one, kept below as `former_sample_baseline`.
 
     python bench/sampler.py                          # B=256, V=151,936, cuda if present
@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 def _load_sampler() -> Any:
     """sampler.py by path: it needs torch alone, and importing it through the package
     would pull in the transport's pyzmq and msgspec (absent on the GPU host)."""
-    path = Path(__file__).parents[1] / "hybridflow/stages/rollout/native/sampler.py"
+    path = Path(__file__).parents[1] / "hybridflow/stages/rollout/native/sampling/sampler.py"
     spec = importlib.util.spec_from_file_location("native_sampler", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -1,5 +1,5 @@
 """The decode step's Triton kernels against the torch paths they replace (GPU):
-  sample_kernel.sample_fused     = sampler.sample without truncation (tokens, log-probs,
+  sampling.kernel.sample_fused   = sampler.sample without truncation (tokens, log-probs,
                                    the draw's distribution), from bf16 or float32 logits;
   rope_write.qkv_rope_write      = fused.qkv_rope + cache.write (q and the cache, slot and
                                    paged strides, Qwen2 and Qwen3 heads, bf16 and float32);
@@ -16,8 +16,8 @@ from native_helpers import build, engine, prompts, run_all
 from hybridflow.stages.rollout.native.forward import rope_write
 from hybridflow.stages.rollout.native.forward.fused import qkv_rope
 from hybridflow.stages.rollout.native.request import Request, SamplingParams
-from hybridflow.stages.rollout.native.sample_kernel import sample_fused
-from hybridflow.stages.rollout.native.sampler import sample
+from hybridflow.stages.rollout.native.sampling.kernel import sample_fused
+from hybridflow.stages.rollout.native.sampling.sampler import sample
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():  # the CPU build has no triton; these need a GPU

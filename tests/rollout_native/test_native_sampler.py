@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.stages.rollout.native.sampler import row_uniform, sample, split_seed
+from hybridflow.stages.rollout.native.sampling.sampler import row_uniform, sample, split_seed
 
 
 def _u(rows: int, seed: int = 7, step: int = 0) -> torch.Tensor:

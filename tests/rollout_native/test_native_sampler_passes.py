@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from hybridflow.stages.rollout.native.sampler import _CHUNK, row_uniform, sample, split_seed
+from hybridflow.stages.rollout.native.sampling.sampler import (
+    _CHUNK,
+    row_uniform,
+    sample,
+    split_seed,
+)
 
 # Tokens may differ from the reference only where float32 rounding puts u on the other
 # side of a CDF boundary (the two round the CDF differently; u itself has 2^-23 steps):

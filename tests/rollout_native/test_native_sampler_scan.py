@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hybridflow.stages.rollout.native.sampler import (
+from hybridflow.stages.rollout.native.sampling.sampler import (
     _CHUNK,
     _chunk_sums,
     _inverse_cdf,

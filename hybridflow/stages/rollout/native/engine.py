@@ -64,8 +64,8 @@ from hybridflow.stages.rollout.native.request import (
     check_request,
     row_params,
 )
-from hybridflow.stages.rollout.native.sample_kernel import StepSampler
-from hybridflow.stages.rollout.native.sampler import row_uniform, sample
+from hybridflow.stages.rollout.native.sampling.kernel import StepSampler
+from hybridflow.stages.rollout.native.sampling.sampler import row_uniform, sample
 from hybridflow.stages.rollout.native.scheduler import Admission, Moves, RowRef, Scheduler
 
 log = logging.getLogger("hybridflow.rollout.native")

@@ -23,7 +23,7 @@ import torch
 
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.rollout.native.forward.shared_prefix import PREFIX_MIN_SAVED
-from hybridflow.stages.rollout.native.sampler import split_seed
+from hybridflow.stages.rollout.native.sampling.sampler import split_seed
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class EngineConfig:
     lookahead: bool = False
     # Triton kernels in the decode step (CUDA; the torch paths stay the reference): one
     # per layer for the q/k/v split, norms, RoPE and K/V writes (forward/rope_write.py),
-    # and two for an untruncated sampling step (sample_kernel.py), which then reads the
+    # and two for an untruncated sampling step (sampling/kernel.py), which then reads the
     # head's bfloat16 logits without a float32 copy. Where they cannot run (the CPU, no
     # triton, mixed dtypes) the torch paths do. On an H100 (bench/RESULTS.md, session 16):
     # Qwen2-0.5B, 152k vocabulary, 256 rows, 94.4k -> 141.4k decode tok/s

@@ -280,7 +280,7 @@ class FusedDecode:
                 and head.bias is None
                 and out.dtype == h.dtype == head.weight.dtype
             ):
-                # the engine's logits buffer in the head's own dtype (sample_kernel reads
+                # the engine's logits buffer in the head's own dtype (sampling/kernel.py reads
                 # bf16): the GEMM writes it directly, no [B, V] copy
                 return torch.mm(h, head.weight.t(), out=out)
             return out.copy_(head(h))

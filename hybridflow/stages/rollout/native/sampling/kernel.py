@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from hybridflow.stages.rollout.native.forward.rope_write import runs_on
-from hybridflow.stages.rollout.native.sampler import sample
+from hybridflow.stages.rollout.native.sampling.sampler import sample
 
 try:  # the CPU build of torch comes without triton
     import triton
