@@ -45,6 +45,25 @@ def _batch(rows: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+def _gemms(prof: Any, top: int) -> list[list[Any]]:
+    """[op, shapes, calls, device ms, TFLOP/s] of the `top` GEMM shapes by device time
+    (aten::mm / addmm / bmm: 2*m*n*k FLOPs per call): is the update's GEMM time spent at
+    a good rate, or in shapes that run far below peak?"""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key not in ("aten::mm", "aten::addmm", "aten::bmm"):
+            continue
+        dt = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        shapes = [s for s in e.input_shapes if s]
+        if dt <= 0 or len(shapes) < 2:
+            continue
+        a, b = shapes[-2], shapes[-1]  # addmm: (bias, a, b)
+        flops = 2 * math.prod(a) * b[-1] * e.count
+        rows.append([e.key, [a, b], e.count, round(dt / 1e3, 2), round(flops / (dt * 1e6), 1)])
+    rows.sort(key=lambda r: -r[3])
+    return rows[:top]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="grpo-gpu-real")
@@ -52,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--set", action="append", default=[], help="actor option KEY=VALUE (YAML)")
+    ap.add_argument(
+        "--gemms", type=int, default=0, help="also list the N slowest GEMM shapes (TFLOP/s)"
+    )
     args = ap.parse_args(argv)
     import hybridflow.config as cfgpkg
     from hybridflow.stages.actor import Actor
@@ -90,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=args.gemms > 0) as prof:
         role.handle("update", mb, {})
         sync()
     rows = []
@@ -117,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         "device_ms": round(sum(r[2] for r in rows), 1),
         "top": rows[: args.top],
     }
+    if args.gemms:
+        out["gemms"] = _gemms(prof, args.gemms)
     print(json.dumps(out))
     return 0
 

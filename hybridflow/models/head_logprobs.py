@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from hybridflow.errors import ConfigError
+from hybridflow.models import head_kernel
 
 # 1,024 tokens: 622 MB of float32 logits per chunk at 151,936 tokens of vocabulary (a
 # GPU matmul of [1024, H] x [H, V] is already large enough to run at full rate).
@@ -77,6 +78,10 @@ class LogprobOptions:
     # Tokens whose logits exist at once in log-prob/entropy forward and backward (the
     # [tokens, vocab] float32 logits are never built whole); 0: the former full path
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # On a GPU, each chunk's log-softmax, entropy and their gradient in one Triton pass
+    # over the head's output (models/head_kernel.py) instead of ~13 float32 passes;
+    # false: the torch passes (the reference the tests compare against)
+    logprob_kernel: bool = True
 
     def validate_logprob(self, path: str) -> None:
         if self.logprob_chunk_tokens < 0:
@@ -111,6 +116,9 @@ def _chunk_stats(
     return lp, lse, ent
 
 
+_PARAMS_AT = 7  # forward's arguments before *params
+
+
 class _ChunkedHeadLogprobs(torch.autograd.Function):
     """(hidden [N, H], targets [N], *head params) -> logprobs [N], entropy [N] (zeros when
     not asked for). See the module docstring for why a Function."""
@@ -124,6 +132,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         temperature: float,
         chunk: int,
         with_entropy: bool,
+        kernel: bool,
         *params: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
@@ -131,15 +140,22 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         lse = hidden.new_empty(n, dtype=torch.float32)
         ent = hidden.new_zeros(n, dtype=torch.float32)
         for sl in _spans(n, chunk):
-            c_lp, c_lse, c_ent = _chunk_stats(
-                _scaled(head(hidden[sl]), temperature), targets[sl], with_entropy
-            )
+            logits = head(hidden[sl])
+            if kernel and head_kernel.applies(logits):
+                c_lp, c_lse, c_ent = head_kernel.stats(
+                    logits, targets[sl], temperature, with_entropy
+                )
+            else:
+                c_lp, c_lse, c_ent = _chunk_stats(
+                    _scaled(logits, temperature), targets[sl], with_entropy
+                )
+            del logits
             lp[sl], lse[sl] = c_lp, c_lse
             if c_ent is not None:
                 ent[sl] = c_ent
         dev = hidden.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        ctx.head, ctx.temperature, ctx.chunk = head, temperature, chunk
+        ctx.head, ctx.temperature, ctx.chunk, ctx.kernel = head, temperature, chunk, kernel
         ctx.save_for_backward(hidden, targets, lse, ent, *params)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*(() if with_entropy else (ent,)))
@@ -151,39 +167,28 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, targets, lse, ent, *params = ctx.saved_tensors
         need_h = ctx.needs_input_grad[0]
-        trained = [i for i, p in enumerate(params) if ctx.needs_input_grad[6 + i]]
+        trained = [i for i, p in enumerate(params) if ctx.needs_input_grad[_PARAMS_AT + i]]
         inputs = [params[i] for i in trained]
         g_hidden = torch.zeros_like(hidden) if need_h else None
         g_params: list[torch.Tensor | None] = [None] * len(params)
         if g_lp is None and g_ent is None:
-            return (None, None, None, None, None, None, *g_params)
+            return (*[None] * _PARAMS_AT, *g_params)
         dev, enabled, dtype = ctx.autocast
         t = ctx.temperature
         for sl in _spans(hidden.shape[0], ctx.chunk):
             h = hidden[sl].detach().requires_grad_(need_h)
             with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
                 logits = ctx.head(h)  # [c, V], with the graph back to h and the params
-            with torch.no_grad():
-                z = _scaled(logits.detach(), t)
-                shift = lse[sl].unsqueeze(-1)
-                # log p, in z's buffer unless z is the head's output (autograd's to keep)
-                logp = z - shift if z.data_ptr() == logits.data_ptr() else z.sub_(shift)
-                del z
-                p = logp.exp()
-                if g_ent is not None:  # -p * (g_lp + g_ent * (log p + H)), in logp's buffer
-                    gz = logp.add_(ent[sl].unsqueeze(-1)).mul_(g_ent[sl].unsqueeze(-1))
-                    if g_lp is not None:
-                        gz.add_(g_lp[sl].unsqueeze(-1))
-                    gz.mul_(p).neg_()
-                else:
-                    assert g_lp is not None
-                    gz = p.mul_(g_lp[sl].neg().unsqueeze(-1))
-                del p, logp
-                if g_lp is not None:
-                    gz.scatter_add_(-1, targets[sl].unsqueeze(-1), g_lp[sl].unsqueeze(-1))
-                if t != 1.0:
-                    gz.div_(t)
-                gz = gz.to(logits.dtype)
+            grad = head_kernel.grad if ctx.kernel and head_kernel.applies(logits) else _grad
+            gz = grad(
+                logits.detach(),
+                targets[sl],
+                lse[sl],
+                ent[sl],
+                None if g_lp is None else g_lp[sl],
+                None if g_ent is None else g_ent[sl],
+                t,
+            )
             wrt = ([h] if need_h else []) + inputs
             if not wrt:
                 break
@@ -199,7 +204,41 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         for i in trained:  # no tokens (N = 0): zeros, so every rank of a group has grads
             if g_params[i] is None:
                 g_params[i] = torch.zeros_like(params[i])
-        return (g_hidden, None, None, None, None, None, *g_params)
+        return (g_hidden, *[None] * (_PARAMS_AT - 1), *g_params)
+
+
+def _grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor,
+    g_lp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    t: float,
+) -> torch.Tensor:
+    """One chunk's dL/dlogits in the logits' dtype, in torch (module docstring; the
+    kernel's `head_kernel.grad` has the same signature): every argument is the chunk's."""
+    with torch.no_grad():
+        z = _scaled(logits, t)
+        shift = lse.unsqueeze(-1)
+        # log p, in z's buffer unless z is the head's output (autograd's to keep)
+        logp = z - shift if z.data_ptr() == logits.data_ptr() else z.sub_(shift)
+        del z
+        p = logp.exp()
+        if g_ent is not None:  # -p * (g_lp + g_ent * (log p + H)), in logp's buffer
+            gz = logp.add_(ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1))
+            if g_lp is not None:
+                gz.add_(g_lp.unsqueeze(-1))
+            gz.mul_(p).neg_()
+        else:
+            assert g_lp is not None
+            gz = p.mul_(g_lp.neg().unsqueeze(-1))
+        del p, logp
+        if g_lp is not None:
+            gz.scatter_add_(-1, targets.unsqueeze(-1), g_lp.unsqueeze(-1))
+        if t != 1.0:
+            gz.div_(t)
+        return gz.to(logits.dtype)
 
 
 def head_logprobs(
@@ -211,12 +250,14 @@ def head_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     with_entropy: bool = False,
+    kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [N, H], targets [N] int -> log p(target) [N] float32 and, `with_entropy`,
     the entropy [N] float32 of softmax(head(hidden) / temperature), `chunk_tokens` rows at
     a time (module docstring). `head`: the output head (a module or its forward);
     `params`: the tensors it trains (default: a module's parameters that require grad;
-    grads reach exactly these and `hidden`)."""
+    grads reach exactly these and `hidden`); `kernel`: each chunk's passes in
+    head_kernel.py's Triton kernels where they run (a CUDA chunk), else in torch."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
@@ -231,7 +272,14 @@ def head_logprobs(
             else []
         )
     lp, ent = _ChunkedHeadLogprobs.apply(
-        hidden, targets.long(), head, float(temperature), chunk_tokens, with_entropy, *params
+        hidden,
+        targets.long(),
+        head,
+        float(temperature),
+        chunk_tokens,
+        with_entropy,
+        kernel,
+        *params,
     )
     return lp, (ent if with_entropy else None)
 
@@ -276,6 +324,7 @@ def model_head_logprobs(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    kernel: bool = True,
     path: str = "logprob_chunk_tokens",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`model(**inputs)` with its head replaced for the call: `select` maps the hidden
@@ -301,6 +350,7 @@ def model_head_logprobs(
             temperature=temperature,
             chunk_tokens=chunk_tokens,
             with_entropy=with_entropy,
+            kernel=kernel,
         )
         cols = [lp] if ent is None else [lp, ent if entropy_grad else ent.detach()]
         produced.append(torch.stack(cols, dim=-1))  # [N, 1 or 2]: the model's "logits"

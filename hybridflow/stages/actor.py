@@ -308,6 +308,7 @@ class Actor(PolicySender, ShardedModelRole, RoleBase):
             entropy_grad=entropy_grad,
             chunk_tokens=o.logprob_chunk_tokens,
             packed=o.pack_sequences,
+            kernel=o.logprob_kernel,
         )
 
     def _logprobs_no_grad(self, batch: Batch) -> torch.Tensor:
@@ -455,6 +456,7 @@ class Actor(PolicySender, ShardedModelRole, RoleBase):
             self.device,
             chunk_tokens=o.logprob_chunk_tokens,
             packed=o.pack_sequences,
+            kernel=o.logprob_kernel,
         )
         count = denominator(mask, agg)
         loss = aggregate(-logprobs, mask, agg, denom=1.0)

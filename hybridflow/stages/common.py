@@ -209,6 +209,7 @@ def response_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
     packed: bool = False,
+    kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> logprobs [B, R] float32 of the response tokens (grad flows if enabled) and,
     with `with_entropy`, the policy entropy [B, R] (with grad only if `entropy_grad`).
@@ -217,11 +218,20 @@ def response_logprobs(
     `chunk_tokens > 0` (the roles' `logprob_chunk_tokens`): only the valid response
     positions reach the head, `chunk_tokens` of them at a time, in forward and backward
     (models/head_logprobs.py); no [B, R, V] logits exist. 0, or a model whose forward
-    transforms its head's logits (`chunkable`): the full logits, as before.
+    transforms its head's logits (`chunkable`): the full logits, as before. `kernel`:
+    the chunks' passes in Triton on a GPU (`logprob_kernel`, models/head_kernel.py).
     `packed`: the rows run as one packed sequence (stages/packing.py); same outputs."""
     if chunk_tokens > 0 and chunkable(model) is None:
         return _chunked_response_logprobs(
-            model, batch, device, temperature, with_entropy, entropy_grad, chunk_tokens, packed
+            model,
+            batch,
+            device,
+            temperature,
+            with_entropy,
+            entropy_grad,
+            chunk_tokens,
+            packed,
+            kernel,
         )
     if packed:
         return _packed_full_logprobs(model, batch, device, temperature, with_entropy, entropy_grad)
@@ -278,6 +288,7 @@ def _chunked_response_logprobs(
     entropy_grad: bool,
     chunk_tokens: int,
     packed: bool,
+    kernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     inputs, select, valid = _layout(model, batch, device, packed)
     targets = batch["response_ids"].to(device, torch.int64)[valid]  # [N]
@@ -290,6 +301,7 @@ def _chunked_response_logprobs(
         chunk_tokens=chunk_tokens,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
+        kernel=kernel,
     )
     return scatter_rows(lp, valid), (None if ent is None else scatter_rows(ent, valid))
 

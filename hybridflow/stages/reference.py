@@ -131,6 +131,7 @@ class Reference(ShardedModelRole, RoleBase):
             o.temperature,
             chunk_tokens=o.logprob_chunk_tokens,
             packed=o.pack_sequences,
+            kernel=o.logprob_kernel,
         )[0]
 
     def bind_colocated(self) -> None:

@@ -253,3 +253,23 @@ def test_a_model_that_transforms_its_logits_falls_back_or_is_refused():
             lambda h: h[:, -1],
             torch.zeros(4, dtype=torch.int64),
         )
+
+
+def test_asking_for_the_kernel_on_the_cpu_changes_nothing():
+    """`kernel` (the roles' logprob_kernel) takes the Triton passes only on a GPU: on the
+    CPU both settings run the torch passes, bit for bit."""
+    head, hidden, targets, up = _case()
+    got = []
+    for kernel in (True, False):
+        lp, ent = head_logprobs(
+            hidden,
+            targets,
+            head,
+            temperature=0.7,
+            chunk_tokens=5,
+            with_entropy=True,
+            kernel=kernel,
+        )
+        got.append((lp, ent, *_grads((up[0] * lp + up[1] * ent).sum(), head, hidden)))
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)

@@ -28,13 +28,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-try:  # the GPU path; the CPU build of torch comes without triton
+from hybridflow.models.kernels import TRITON
+
+if TRITON:  # the GPU path
     import triton
     import triton.language as tl
-
-    _TRITON = True
-except ImportError:
-    _TRITON = False
 
 _DIMS = (64, 128)  # head dims the kernel is tested for
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -52,7 +50,7 @@ Prefix = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 def triton_available() -> bool:
     """True where the Triton kernel can run: triton imports and a CUDA device exists."""
-    return _TRITON and torch.cuda.is_available()
+    return TRITON and torch.cuda.is_available()
 
 
 def paged_decode_torch(
@@ -169,7 +167,7 @@ def paged_decode_triton(
     return o
 
 
-if _TRITON:
+if TRITON:
 
     @triton.jit
     def attend_tile(

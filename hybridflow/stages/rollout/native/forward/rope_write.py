@@ -31,24 +31,15 @@ exactly its own cache position, so rows never race.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-try:  # the CPU build of torch comes without triton
+from hybridflow.models.kernels import TRITON, runs_on
+
+if TRITON:
     import triton
     import triton.language as tl
-
-    _TRITON = True
-except ImportError:
-    _TRITON = False
-
-
-def runs_on(device: torch.device) -> bool:
-    """True where this package's Triton kernels run: triton imports and the device is
-    CUDA (or TRITON_INTERPRET=1 runs them on the CPU, for checks by hand)."""
-    return _TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def applies(
@@ -64,7 +55,7 @@ def applies(
     return runs_on(device) and len(dtypes) == 1 and head_dim in (64, 128, 256)
 
 
-if _TRITON:
+if TRITON:
 
     @triton.jit
     def _r(x, DT: tl.constexpr):

@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from hybridflow.models.kernels import TRITON
 from hybridflow.stages.rollout.native.forward import paged_attention as pa
 
 MAX_QUERIES = 64  # members * G query heads in one prefix tile (the dot's M)
@@ -256,7 +257,7 @@ def cascade_decode_triton(
     )
 
 
-if pa._TRITON:
+if TRITON:
     import triton
     import triton.language as tl
 

@@ -34,16 +34,12 @@ from typing import Any
 
 import torch
 
-from hybridflow.stages.rollout.native.forward.rope_write import runs_on
+from hybridflow.models.kernels import TRITON, runs_on
 from hybridflow.stages.rollout.native.sampling.sampler import sample
 
-try:  # the CPU build of torch comes without triton
+if TRITON:
     import triton
     import triton.language as tl
-
-    _TRITON = True
-except ImportError:
-    _TRITON = False
 
 # W: tokens per chunk. The chunk pass is B * C programs of W loads each; the draw scans C
 # chunk sums and one chunk of W (sampler._CHUNK says why ~sqrt(V) keeps both small).
@@ -51,7 +47,7 @@ CHUNK = 1024
 MAX_CHUNKS = 1024  # C's bound: vocabularies up to 1M tokens
 
 
-if _TRITON:
+if TRITON:
 
     @triton.jit
     def _chunk_kernel(
