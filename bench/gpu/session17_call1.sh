@@ -6,9 +6,16 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpu.txt
-timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/models/test_models_head_kernel.py tests/rollout_native/test_decode_kernels.py 2>&1 | tee $OUT/tests.log | tail -8
-prof() { name=$1; shift; echo "== $name $*"; timeout ${PROF_S:-150} python3 bench/actor_profile.py --steps 2 --top 40 --gemms 16 --set model=qwen2-1.5b "$@" > $OUT/$name.json 2> $OUT/$name.err || tail -4 $OUT/$name.err; python3 -c "
+[ -n "${TESTS-1}" ] && timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/models/test_models_head_kernel.py tests/rollout_native/test_decode_kernels.py 2>&1 | tee $OUT/tests.log | tail -8
+# An H100 (80 GB) cannot hold session 12's 16k-token groups of the 1.5B (93.6 GB peak on an H200)
+MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+EXTRA=""; [ "$MEM" -lt 100000 ] && EXTRA="--set max_tokens_per_micro_batch=8192"
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+prof() { name=$1; shift; echo "== $name $*"; timeout ${PROF_S:-150} python3 bench/actor_profile.py --steps 2 --top 40 --gemms 16 --set model=qwen2-1.5b $EXTRA "$@" > $OUT/$name.json 2> $OUT/$name.err || tail -4 $OUT/$name.err; python3 -c "
 import json; r=json.load(open('$OUT/$name.json')); print({k: v for k, v in r.items() if k not in ('options','top','gemms')})" 2>&1 | tail -2; }
-prof p15-nokernel --set compile_layers=true --set logprob_kernel=false
-prof p15-kernel --set compile_layers=true
-prof p15-flex --set compile_layers=true --set pack_sequences=true --set attn_implementation=flex_attention
+for p in ${PROFS:-nokernel kernel flex}; do case $p in
+  nokernel) prof p15-nokernel --set compile_layers=true --set logprob_kernel=false ;;
+  kernel) prof p15-kernel --set compile_layers=true ;;
+  flex) prof p15-flex --set compile_layers=true --set pack_sequences=true --set attn_implementation=flex_attention ;;
+  flex-eager) prof p15-flex-eager --set pack_sequences=true --set attn_implementation=flex_attention ;;
+esac; done
