@@ -5,20 +5,24 @@ returns the padded layout of stages/common.py ([B, P] prompts, [B, R] responses)
 Three options (`PackingOptions`, mixed into each role's options), each off by default
 (the third, `compile_layers`, is at the end of this module: how the same forwards run):
 
-  max_tokens_per_micro_batch: K > 0   a micro-batch reaches the model in groups of
-                                      consecutive rows whose real tokens (prompt tokens +
-                                      response span) sum to <= K; a row longer than K is a
-                                      group of its own; `forward_batch_size`, when also
-                                      set, still caps a group's rows. 0: groups of
+  max_tokens_per_micro_batch: K > 0   a micro-batch reaches the model in groups of rows
+                                      (longest first) whose forward computes <= K
+                                      positions: a padded group's rows x (its longest
+                                      prompt + its longest response span), a packed
+                                      group's real tokens; a row longer than K is a group
+                                      of its own; `forward_batch_size`, when also set,
+                                      still caps a group's rows. 0: groups of
                                       `forward_batch_size` rows, as before.
   pack_sequences: true                each group runs as ONE sequence of its rows' real
                                       tokens back to back (no padding is computed).
 
-The budget counts real tokens whether or not the group is packed (the same rows form the
-same groups either way, so the two forwards can be compared group for group); a padded
-group still computes rows x (P + R) positions. They are two options, not one, because a
-budget is the memory bound of a packed forward (its length T) while packing on its own
-is one packed sequence per `forward_batch_size` rows.
+The budget bounds the positions a forward computes, so it is the memory bound of either
+forward. Counting real tokens for a padded group (as before) let the padding
+grow unbounded: on a micro-batch of grpo-gpu-real's shapes (bench/actor_profile.py, 64
+rows, 26,501 real tokens) a 16,384-token budget made 2 forwards of 46,122 positions in
+all (42.5% padding; the first forward 29,250 positions); counted in positions, 3 forwards
+of 38,584 (31.3%), none over 16,384. They are two options, not one, because packing on
+its own is one packed sequence per `forward_batch_size` rows.
 
 A packed group of B rows (document b: its prompt's real tokens, then its response span):
 
@@ -63,8 +67,9 @@ PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "f
 class PackingOptions:
     """How a role groups a micro-batch's rows into forwards (module docstring)."""
 
-    # Real tokens (prompt + response) per forward/backward: consecutive rows up to this
-    # many form one forward, a longer row goes alone; 0: rows by forward_batch_size
+    # Positions per forward/backward (padded: rows x the group's width; packed: real
+    # tokens): rows, longest first, up to this many form one forward, a longer row goes
+    # alone; 0: rows by forward_batch_size
     max_tokens_per_micro_batch: int = 0
     # Each forward as one packed sequence of its rows' real tokens (no padding), with
     # document-masked attention. Off until measured on a GPU: with sdpa the packed mask
@@ -118,6 +123,24 @@ def row_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return prompt + response_span(batch["response_mask"]).sum(-1)
 
 
+def padded_groups(
+    prompts: Sequence[int], spans: Sequence[int], budget: int, max_rows: int
+) -> Iterator[slice]:
+    """Consecutive row slices whose padded forward computes <= `budget` positions: rows x
+    (the group's longest prompt + its longest response span), the width `group_batch`
+    leaves it; a row over the budget alone; at most `max_rows` rows (<= 0: no bound)."""
+    start, p, r = 0, 0, 0
+    for i, (pi, ri) in enumerate(zip(prompts, spans, strict=True)):
+        wide_p, wide_r = max(p, pi), max(r, ri)
+        over_budget = (i - start + 1) * (wide_p + wide_r) > budget
+        if i > start and (over_budget or (max_rows > 0 and i - start >= max_rows)):
+            yield slice(start, i)
+            start, wide_p, wide_r = i, pi, ri
+        p, r = wide_p, wide_r
+    if start < len(prompts):
+        yield slice(start, len(prompts))
+
+
 def row_groups(tokens: Sequence[int], budget: int, max_rows: int) -> Iterator[slice]:
     """Consecutive row slices: each holds as many rows as fit `budget` tokens (<= 0: no
     bound) and at most `max_rows` rows (<= 0: no bound); a row over the budget alone."""
@@ -146,9 +169,14 @@ def forward_groups(
     padding (grpo-gpu-real: mean response 320 of up to 1024)."""
     budget = opts.max_tokens_per_micro_batch
     if budget > 0:
-        tokens = row_tokens(batch)
-        order = torch.sort(tokens, descending=True, stable=True).indices
-        for sl in row_groups(tokens[order].tolist(), budget, max_rows):
+        prompt = batch["prompt_mask"].to(torch.int64).sum(-1)
+        span = response_span(batch["response_mask"]).sum(-1)
+        order = torch.sort(prompt + span, descending=True, stable=True).indices
+        if opts.pack_sequences:  # a packed forward computes its real tokens
+            groups = row_groups((prompt + span)[order].tolist(), budget, max_rows)
+        else:
+            groups = padded_groups(prompt[order].tolist(), span[order].tolist(), budget, max_rows)
+        for sl in groups:
             yield order[sl]
     else:
         yield from row_groups([1] * batch["response_mask"].shape[0], max_rows, 0)

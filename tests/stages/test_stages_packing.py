@@ -27,6 +27,7 @@ from hybridflow.stages.packing import (
     gather_rows,
     group_batch,
     pack_rows,
+    padded_groups,
     response_span,
     row_groups,
     row_tokens,
@@ -210,6 +211,23 @@ def test_row_groups_fit_the_budget_and_a_longer_row_goes_alone():
     assert list(row_groups([1] * 5, 0, 0)) == [slice(0, 5)]
 
 
+def test_padded_groups_bound_rows_times_the_widest_prompt_and_response():
+    # widths: (prompt, span) per row; a group computes rows x (max prompt + max span)
+    prompts, spans = [4, 2, 4, 1, 1], [6, 8, 3, 2, 2]
+    # rows 0 and 1 hold 10 + 10 real tokens, but padded together 2 x (4 + 8) = 24 > 20;
+    # rows 2-3 compute 2 x (4 + 3) = 14, and row 4 would make it 3 x 7 = 21
+    assert list(padded_groups(prompts, spans, 20, 0)) == [
+        slice(0, 1),
+        slice(1, 2),
+        slice(2, 4),
+        slice(4, 5),
+    ]
+    assert list(padded_groups([4, 2], [6, 8], 20, 0)) == [slice(0, 1), slice(1, 2)]
+    assert list(padded_groups([4, 4], [6, 6], 20, 0)) == [slice(0, 2)]  # 2 x 10 fits exactly
+    assert list(padded_groups([30], [5], 20, 0)) == [slice(0, 1)]  # over the budget: alone
+    assert list(padded_groups([1] * 5, [1] * 5, 100, 2)) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+
+
 def test_forward_groups_count_prompt_and_response_span_tokens(batch):
     tokens = row_tokens(batch)
     prompt = batch["prompt_mask"].sum(-1)
@@ -222,6 +240,19 @@ def test_forward_groups_count_prompt_and_response_span_tokens(batch):
     assert tokens[order].tolist() == sorted(tokens.tolist(), reverse=True)
     assert all(int(tokens[g].sum()) <= budget for g in groups)
     assert len(groups) > 1
+    # padded (the default): each forward computes <= budget positions, or is one row
+    for g in groups:
+        sub = group_batch(batch, g)
+        width = sub["prompt_ids"].shape[1] + sub["response_ids"].shape[1]
+        assert len(g) == 1 or len(g) * width <= budget
+    # packed: real tokens, so the same budget can put more rows in a forward
+    packed = list(
+        forward_groups(
+            batch, PackingOptions(max_tokens_per_micro_batch=budget, pack_sequences=True), 0
+        )
+    )
+    assert all(int(tokens[g].sum()) <= budget for g in packed)
+    assert len(packed) < len(groups)
 
 
 def test_a_group_drops_the_padding_columns_none_of_its_rows_uses(batch):
