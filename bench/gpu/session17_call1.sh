@@ -6,7 +6,7 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpu.txt
-[ -n "${TESTS-1}" ] && timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/models/test_models_head_kernel.py tests/rollout_native/test_decode_kernels.py 2>&1 | tee $OUT/tests.log | tail -8
+[ -n "${TESTS-1}" ] && timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/models/test_models_head_kernel.py ${MORE_TESTS-tests/rollout_native/test_decode_kernels.py} 2>&1 | tee $OUT/tests.log | tail -8
 # An H100 (80 GB) cannot hold session 12's 16k-token groups of the 1.5B (93.6 GB peak on an H200)
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 EXTRA=""; [ "$MEM" -lt 100000 ] && EXTRA="--set max_tokens_per_micro_batch=8192"
