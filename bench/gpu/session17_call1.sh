@@ -17,5 +17,7 @@ for p in ${PROFS:-nokernel kernel flex}; do case $p in
   nokernel) prof p15-nokernel --set compile_layers=true --set logprob_kernel=false ;;
   kernel) prof p15-kernel --set compile_layers=true ;;
   flex) prof p15-flex --set compile_layers=true --set pack_sequences=true --set attn_implementation=flex_attention ;;
+  kernel-eager) prof p15-kernel-eager --set compile_layers=false ;;
+  nokernel-eager) prof p15-nokernel-eager --set compile_layers=false --set logprob_kernel=false ;;
   flex-eager) prof p15-flex-eager --set pack_sequences=true --set attn_implementation=flex_attention ;;
 esac; done

@@ -43,9 +43,9 @@ def test_stats_and_grad_equal_the_torch_passes(dtype, vocab, temperature):
         gz = head_kernel.grad(logits, y, lse0, ent0, g_lp, g_ent, temperature)
         gz0 = _grad(logits, y, lse0, ent0, g_lp, g_ent, temperature)
         assert gz.dtype == logits.dtype and gz.shape == logits.shape
-        # bf16: one rounding of the same float32 value, so at most an ulp apart
+        # float32: exp differs in the last bits (1e-5 where p ~ 1 cancels); bf16: an ulp
         tol = (
-            {"atol": 1e-6, "rtol": 1e-5}
+            {"atol": 1e-5, "rtol": 1e-5}
             if dtype == torch.float32
             else {"atol": 1e-5, "rtol": 1.6e-2}
         )
