@@ -89,6 +89,7 @@ from hybridflow.stages.common import (
     chunked_no_grad,
     options_path,
     response_logprobs,
+    training_attention,
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.packing import (
@@ -201,6 +202,7 @@ class Actor(PolicySender, ShardedModelRole, RoleBase):
         self.opts = from_dict(ActorOptions, dict(ctx.options), options_path(ctx))
         self.device = ctx.device
         self.tokenizer, self.model = build_model(ctx, self.opts, "causal_lm")
+        training_attention(ctx.device)  # before any forward: see its docstring
         self.add_adapters(ctx, self.opts, "causal_lm")
         if self.opts.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()

@@ -365,3 +365,21 @@ def build_model(
     tokenizer = load_tokenizer(opts.tokenizer, opts.model, f"{path}.tokenizer")
     model = load_model(opts, tokenizer, kind=kind, device=ctx.device, seed=ctx.seed, path=path)
     return tokenizer, model
+
+
+def training_attention(device: torch.device) -> None:
+    """Take cuDNN's SDPA kernel out of this process on a GPU (a trainable role's setup,
+    before any forward, so compiled layers trace without it too).
+
+    Its backward returns NaN in dQ on torch >= 2.11 (H100/H200) when an attention mask
+    is passed, the sequence length is 64 mod 128, and a query row's log-sum-exp is below
+    ~-88.7 (pytorch/pytorch#196678, huggingface/trl#7181). Every padded forward here
+    passes a mask, and every left-padded prompt position is a fully masked row
+    (log-sum-exp -inf), so any micro-batch group whose width is 64 mod 128 makes the
+    whole step's gradient NaN and the trainer skips the update. On an H100 (session 17,
+    torch 2.11) both qwen2-1.5b actor updates of bench/actor_profile.py had a NaN gradient
+    norm; on the CPU the same update is finite. SDPA then picks flash or memory-efficient
+    attention, which that issue reports clean; the forwards of a colocated rollout engine
+    in the same process lose the cuDNN choice too (their values are unchanged)."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)

@@ -42,6 +42,7 @@ from hybridflow.stages.common import (
     chunked_no_grad,
     options_path,
     response_values,
+    training_attention,
 )
 from hybridflow.stages.contract import RoleBase, Scope, op
 from hybridflow.stages.packing import (
@@ -85,6 +86,7 @@ class Critic(ShardedModelRole, RoleBase):
         self.opts = from_dict(CriticOptions, dict(ctx.options), options_path(ctx))
         self.device = ctx.device
         self.tokenizer, self.model = build_model(ctx, self.opts, "value")
+        training_attention(ctx.device)  # before any forward: see its docstring
         self.add_adapters(ctx, self.opts, "value")  # LoRA: the value head still trains whole
         self.shard_if_asked(ctx, self.opts, trainable=True)
         check_packing(self.opts, self.model, self.group is not None, options_path(ctx))

@@ -9,6 +9,7 @@ from stage_helpers import PROMPTS, TOK, make_role, prompt_batch, sequences
 from hybridflow.data import collate_sft
 from hybridflow.errors import BatchError, ConfigError
 from hybridflow.stages.actor import Actor
+from hybridflow.stages.common import training_attention
 from hybridflow.stages.reference import Reference
 from hybridflow.stages.rollout.hf import HFRollout
 from hybridflow.stages.trainer import TrainOptions, lr_factor
@@ -300,3 +301,18 @@ def test_a_step_with_every_row_dropped_applies_no_update(rollout_out, recwarn):
     assert m["actor/updates"] == 0.0 and m["actor/policy_version"] == 1.0
     assert all(torch.equal(before[k], v) for k, v in actor.model.state_dict().items())
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message)]
+
+
+def test_training_attention_takes_cudnn_sdpa_out_on_a_gpu_only():
+    """A trainable role's setup (common.training_attention; the GPU test in
+    test_stages_gpu.py runs the update it protects): cuDNN's SDPA off for a CUDA device,
+    the process untouched for the CPU."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        training_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        training_attention(torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -125,3 +125,30 @@ def test_two_gpu_ranks_equal_one_gpu(tmp_path):
     train(one, mbs, 3)
     for k, v in one.named_full_weights():
         torch.testing.assert_close(ranked[k], v.cpu(), atol=2e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("width", [192, 320])  # 64 mod 128: the widths cuDNN's bug needs
+def test_a_bf16_update_of_left_padded_rows_has_a_finite_gradient(width):
+    """A trainable role's setup takes cuDNN's SDPA out (common.training_attention): its
+    backward gave NaN dQ for a masked forward whose length is 64 mod 128 when a query row
+    is fully masked, as every left-padded prompt position is (pytorch#196678; seen as
+    every qwen2-1.5b update skipped on an H100, torch 2.11). Rows here: a long prompt and
+    a short one (left padding), responses to a width of 64 mod 128."""
+    actor = _role(Actor, {"model": "small", "dtype": "bfloat16", "lr": 1e-4})
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    g = torch.Generator().manual_seed(width)
+    p, r = 64, width - 64
+    prompt_mask = torch.ones(2, p, dtype=torch.int64)
+    prompt_mask[1, : p - 5] = 0  # 59 fully masked query rows
+    response_mask = torch.ones(2, r, dtype=torch.int64)
+    batch = {
+        "prompt_ids": torch.randint(3, 200, (2, p), generator=g) * prompt_mask,
+        "prompt_mask": prompt_mask,
+        "response_ids": torch.randint(3, 200, (2, r), generator=g),
+        "response_mask": response_mask,
+        "advantages": torch.randn(2, r, generator=g),
+    }
+    actor.handle("update", batch, {})
+    metrics = actor.handle("optimizer_step", {}, {})[1]
+    assert metrics["actor/skipped_updates"] == 0
+    assert torch.isfinite(torch.tensor(metrics["actor/grad_norm"]))
