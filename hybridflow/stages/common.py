@@ -378,8 +378,10 @@ def training_attention(device: torch.device) -> None:
     (log-sum-exp -inf), so any micro-batch group whose width is 64 mod 128 makes the
     whole step's gradient NaN and the trainer skips the update. On an H100 (session 17,
     torch 2.11) both qwen2-1.5b actor updates of bench/actor_profile.py had a NaN gradient
-    norm; on the CPU the same update is finite. SDPA then picks flash or memory-efficient
-    attention, which that issue reports clean; the forwards of a colocated rollout engine
-    in the same process lose the cuDNN choice too (their values are unchanged)."""
+    norm, and the last of their five forwards was 192 positions wide; on the CPU the same
+    update is finite. Not yet re-run on a GPU with this switch, nor timed: SDPA then
+    picks memory-efficient attention for masked forwards (flash takes no mask), which
+    that issue reports clean. The forwards of a colocated rollout engine in the same
+    process lose the cuDNN choice too (their values are unchanged)."""
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
