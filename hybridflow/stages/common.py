@@ -209,7 +209,7 @@ def response_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
     packed: bool = False,
-    kernel: bool = True,
+    kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> logprobs [B, R] float32 of the response tokens (grad flows if enabled) and,
     with `with_entropy`, the policy entropy [B, R] (with grad only if `entropy_grad`).
