@@ -80,7 +80,7 @@ class LogprobOptions:
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     # On a GPU, each chunk's log-softmax, entropy and their gradient in one Triton pass
     # over the head's output (models/head_kernel.py) instead of ~13 float32 passes (on
-    # an H100, ~155 ms of a 908 ms qwen2-1.5b update). Off until its speed is measured on
+    # an H100, ~80-110 ms of a 908 ms qwen2-1.5b update). Off until its speed is measured on
     # a GPU (its GPU tests pass); false: the torch passes, the reference of the tests
     logprob_kernel: bool = False
 
