@@ -7,7 +7,8 @@ budget, log-prob chunks), feeds it one micro-batch shaped like the preset's: `--
 rows, left-padded prompts of 60-110 tokens, responses at log-normal lengths (median 256,
 sigma 0.75, capped at 1024, as the native rollout's forced lengths), seeded random ids,
 advantages, rollout and reference log-probs. One warm-up `update`, then `--steps` timed
-updates (wall, tokens/s, the usual 6*N*tokens MFU estimate against 989.5 TFLOP/s), then
+updates (wall, tokens/s, the usual 6*N*tokens MFU estimate against 989.5 TFLOP/s, and
+the step's grad norm: NaN means the updates were skipped), then
 one update under torch.profiler: prints one JSON object with the timings and the
 `--top` CUDA ops by self device time (name, calls, ms) and the summed kernel time.
 """
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         sync()
         times.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    role.handle("optimizer_step", {}, {})
+    step = role.handle("optimizer_step", {}, {})[1]
     sync()
     opt_s = time.perf_counter() - t0
     from torch.profiler import ProfilerActivity, profile
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         "response_tokens": int(mb["response_mask"].sum()),
         "update_s": round(upd, 4),
         "optimizer_step_s": round(opt_s, 4),
+        # a NaN norm means the updates were skipped (session 17 found cuDNN attention's)
+        "grad_norm": step.get("actor/grad_norm"),
+        "skipped_updates": step.get("actor/skipped_updates"),
         "tokens_per_s": round(tokens / upd, 1),
         "mfu": round(6 * params * tokens / upd / PEAK, 4),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
