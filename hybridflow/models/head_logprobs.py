@@ -47,6 +47,11 @@ unit: stages/parallel/fsdp.py) run unchanged, and the result leaves the model as
 refused: its result would not be the head's (`out.logits is` the returned tensor is
 checked).
 
+With `kernel` (the roles' `logprob_kernel`) and a CUDA chunk, each chunk's statistics and
+its closed-form gradient come from head_kernel.py's two Triton kernels, one pass over the
+head's output each, instead of `_chunk_stats` and `_grad`; everything around them (the
+chunks, the recomputed head, `torch.autograd.grad`) is the same code.
+
 Invariants: equal to the full [N, V] computation within float32 rounding (tests compare
 values and gradients w.r.t. hidden states and head parameters for chunk sizes that do and
 do not divide N); `chunk_tokens` bounds every [*, V] temporary of forward and backward.
