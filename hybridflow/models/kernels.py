@@ -8,12 +8,16 @@ a call takes.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
 
-TRITON = importlib.util.find_spec("triton") is not None
+try:  # an installed but broken triton counts as absent: the torch paths run
+    import triton  # noqa: F401
+
+    TRITON = True
+except ImportError:
+    TRITON = False
 
 
 def runs_on(device: torch.device) -> bool:

@@ -171,9 +171,10 @@ def forward_groups(
     if budget > 0:
         prompt = batch["prompt_mask"].to(torch.int64).sum(-1)
         span = response_span(batch["response_mask"]).sum(-1)
-        order = torch.sort(prompt + span, descending=True, stable=True).indices
+        tokens = prompt + span  # row_tokens, from its parts
+        order = torch.sort(tokens, descending=True, stable=True).indices
         if opts.pack_sequences:  # a packed forward computes its real tokens
-            groups = row_groups((prompt + span)[order].tolist(), budget, max_rows)
+            groups = row_groups(tokens[order].tolist(), budget, max_rows)
         else:
             groups = padded_groups(prompt[order].tolist(), span[order].tolist(), budget, max_rows)
         for sl in groups:
