@@ -7,6 +7,8 @@
 # so the first of PROFS gets FIRST_S (default 300). Next time, e.g.:
 #   TESTS_S=150 MORE_TESTS="tests/stages/test_stages_gpu.py tests/rollout_native" \
 #   PROFS="nokernel kernel flex" bash bench/gpu/session17_call1.sh
+# Session 18 added packed rows with models/varlen.py (torch's varlen flash kernel):
+#   PROFS="nokernel varlen kernel varlen-kernel"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpu.txt
@@ -21,9 +23,11 @@ prof() { name=$1; shift; echo "== $name $*"; timeout $LIMIT python3 bench/actor_
 import json; r=json.load(open('$OUT/$name.json')); print({k: v for k, v in r.items() if k not in ('options','top','gemms')})" 2>&1 | tail -2; LIMIT=${PROF_S:-150}; }
 for p in ${PROFS:-nokernel kernel flex}; do case $p in
   nokernel) prof p15-nokernel --set compile_layers=true --set logprob_kernel=false ;;
-  kernel) prof p15-kernel --set compile_layers=true ;;
+  kernel) prof p15-kernel --set compile_layers=true --set logprob_kernel=true ;;
   flex) prof p15-flex --set compile_layers=true --set pack_sequences=true --set attn_implementation=flex_attention ;;
-  kernel-eager) prof p15-kernel-eager --set compile_layers=false ;;
+  varlen) prof p15-varlen --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen ;;
+  varlen-kernel) prof p15-varlen-kernel --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen --set logprob_kernel=true ;;
+  kernel-eager) prof p15-kernel-eager --set compile_layers=false --set logprob_kernel=true ;;
   nokernel-eager) prof p15-nokernel-eager --set compile_layers=false --set logprob_kernel=false ;;
   flex-eager) prof p15-flex-eager --set pack_sequences=true --set attn_implementation=flex_attention ;;
 esac; done

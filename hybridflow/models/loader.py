@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 
 from hybridflow.errors import ConfigError
+from hybridflow.models import varlen
 from hybridflow.models.heads import use_fp32_head
 from hybridflow.models.presets import DROPOUT_KEYS, PRESETS, check_overrides, preset_config
 from hybridflow.models.tokenizer import builtin_tokenizer
@@ -54,9 +55,10 @@ class ModelOptions:
     # every forward under bfloat16 autocast. Pure bfloat16 training (dtype: bfloat16)
     # loses updates smaller than bf16's resolution; this does not.
     autocast_bf16: bool = False
-    # transformers' attention kernel. flex_attention (torch.compile'd; GPU) masks packed
-    # documents (pack_sequences) without a T x T mask, skipping the masked blocks
-    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
+    # transformers' attention kernel. For packed documents (pack_sequences), where sdpa
+    # computes a T x T mask: varlen (models/varlen.py: torch's varlen flash kernel on a
+    # GPU, sdpa everywhere else) or flex_attention (torch.compile'd; GPU; a BlockMask)
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "varlen"] = "sdpa"
     # The output head (lm_head; a critic's or reward model's score head) in float32 even
     # under bf16: rollout and trainer log-probs then differ by less (models/heads.py).
     fp32_lm_head: bool = False
@@ -176,6 +178,8 @@ def load_model(
     device = torch.device(device)
     cls = _auto_class(kind)
     _quiet_transformers()
+    if opts.attn_implementation == varlen.NAME:
+        varlen.register()
     with torch.random.fork_rng(devices=_cuda_devices(device)):
         torch.manual_seed(init_seed)
         if source == "preset":

@@ -35,6 +35,7 @@ from hybridflow.algos.losses import entropy_from_logits, logprobs_from_logits
 from hybridflow.algos.utils import zero_padding
 from hybridflow.config.fields import SEQUENCE_FIELDS as SEQUENCE_FIELDS  # the roles' inputs
 from hybridflow.errors import BatchError
+from hybridflow.models import varlen
 from hybridflow.models.head_logprobs import chunkable, model_head_logprobs
 from hybridflow.models.loader import ModelKind, ModelOptions, load_model, load_tokenizer
 from hybridflow.stages.base import Batch, StageContext
@@ -44,6 +45,7 @@ from hybridflow.stages.packing import (
     group_batch,
     pack_rows,
     response_span,
+    row_tokens,
     scatter_rows,
 )
 
@@ -171,9 +173,14 @@ def _layout(
 
         return {**inputs, "use_cache": False}, select, valid
     rows = pack_rows(batch, device)
-    # No attention mask: transformers builds the document mask from the restarting
-    # position ids (stages/packing.py).
     inputs = {"input_ids": rows.input_ids, "position_ids": rows.position_ids}
+    if getattr(model.config, "_attn_implementation", None) == varlen.NAME:
+        # The documents as cumulative lengths (host values: no device sync) and a mask
+        # saying "no padding", which keeps transformers from building a document mask.
+        inputs |= varlen.packed_kwargs(row_tokens(batch).tolist(), device)
+        inputs["attention_mask"] = torch.ones_like(rows.input_ids)
+    # Otherwise no attention mask: transformers builds the document mask from the
+    # restarting position ids (stages/packing.py).
     kept = _forward_kwargs(model, rows.predict)
     inputs |= kept
 

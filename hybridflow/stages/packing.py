@@ -60,7 +60,15 @@ from hybridflow.config.fields import FIELDS
 from hybridflow.errors import ConfigError
 
 # transformers' attention kernels whose mask builder knows packed position ids.
-PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+# "varlen" is the project's own (models/varlen.py): documents from cumulative lengths.
+PACKABLE_ATTENTION = (
+    "sdpa",
+    "eager",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+    "varlen",
+)
 
 
 @dataclass

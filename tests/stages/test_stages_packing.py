@@ -47,6 +47,11 @@ VARIANTS = [
     ("packed", {"pack_sequences": True}),
     ("packed+budget", {"pack_sequences": True, "max_tokens_per_micro_batch": 40}),
     ("budget", {"max_tokens_per_micro_batch": 40}),
+    # models/varlen.py: documents from cumulative lengths (its CPU reference path here)
+    (
+        "varlen+budget",
+        {"pack_sequences": True, "max_tokens_per_micro_batch": 40, "attn_implementation": "varlen"},
+    ),
 ]
 ACTOR = {
     "model": "tiny",
@@ -311,6 +316,26 @@ def test_packed_flex_attention_on_cuda_equals_padded_sdpa(batch):
         actor = make_role(Actor, "actor", {**ACTOR, **opts}, device=torch.device("cuda:0"))
         got.append(actor.handle("get_logprob", _seqs(batch), {})[0]["old_logprobs"])
     torch.testing.assert_close(got[1], got[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flash varlen kernel)")
+def test_packed_varlen_flash_on_cuda_equals_padded_sdpa_under_bf16(batch):
+    """models/varlen.py's GPU path (bf16 activations under autocast reach torch's varlen
+    flash kernel): log-probs and an update's metrics against the padded sdpa forward in
+    the same precision; bf16 rounding differs between the kernels, hence 3e-2."""
+    got = []
+    for opts in (PADDED, {"pack_sequences": True, "attn_implementation": "varlen"}):
+        o = {**ACTOR, **opts, "autocast_bf16": True}
+        actor = make_role(Actor, "actor", o, device=torch.device("cuda:0"))
+        lp = actor.handle("get_logprob", _seqs(batch), {})[0]["old_logprobs"]
+        actor.handle("update", {**batch, "old_logprobs": lp}, {})
+        got.append((lp, actor.handle("optimizer_step", {}, {})[1]))
+    torch.testing.assert_close(got[1][0], got[0][0], atol=3e-2, rtol=0)
+    (_, packed), (_, padded) = got
+    assert packed["actor/skipped_updates"] == 0
+    assert packed["actor/pg_loss"] == pytest.approx(padded["actor/pg_loss"], abs=3e-2)
+    assert packed["actor/grad_norm"] == pytest.approx(padded["actor/grad_norm"], rel=5e-2)
 
 
 @pytest.mark.slow
