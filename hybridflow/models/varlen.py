@@ -101,8 +101,9 @@ def attention(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if _varlen_attn is not None and q.is_cuda and q.dtype in _HALF:
-        longest = int(kwargs["max_length_q"])
-        out = _flash(q, k, v, cu, longest, scale)
+        # Not int(): under compile_layers (dynamic shapes) that would specialise the
+        # compiled layer on each group's longest document, a recompile per group.
+        out = _flash(q, k, v, cu, kwargs["max_length_q"], scale)
     else:
         out = reference(q, k, v, cu, scale)
     return out.unsqueeze(0), None

@@ -342,7 +342,15 @@ def test_packed_varlen_flash_on_cuda_equals_padded_sdpa_under_bf16(batch):
 @pytest.mark.compile
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own torch.jit use
 @pytest.mark.filterwarnings("ignore:The .grad attribute:UserWarning")  # dynamo probes .grad
-def test_compiled_layers_give_the_eager_update(batch):
+@pytest.mark.parametrize(
+    "packing",
+    [
+        {"max_tokens_per_micro_batch": 40},
+        {"max_tokens_per_micro_batch": 40, "pack_sequences": True, "attn_implementation": "varlen"},
+    ],
+    ids=["padded", "varlen"],
+)
+def test_compiled_layers_give_the_eager_update(batch, packing):
     """compile_layers (end of stages/packing.py) under a token budget (several group shapes, one
     dynamic compilation): the actor's gradients, metrics and step equal the eager ones
     (inductor's CPU backend here; CUDA's on the GPU). The reference and critic call the
@@ -354,7 +362,7 @@ def test_compiled_layers_give_the_eager_update(batch):
     gradient behind (the grads equal eager's)."""
     from torch._dynamo.utils import counters
 
-    budget = {"max_tokens_per_micro_batch": 40}
+    budget = packing  # varlen: the documents' cumulative lengths reach the compiled layer
     want = _update(budget, batch)
     graphs = []
     got = _update(
