@@ -28,6 +28,7 @@ for p in ${PROFS:-nokernel kernel flex}; do case $p in
   varlen) prof p15-varlen --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen ;;
   varlen-kernel) prof p15-varlen-kernel --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen --set logprob_kernel=true ;;
   varlen-kernel4k) prof p15-varlen-kernel4k --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen --set logprob_kernel=true --set logprob_chunk_tokens=4096 ;;
+  varlen-kernel4k-16k) prof p15-varlen-kernel4k-16k --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen --set logprob_kernel=true --set logprob_chunk_tokens=4096 --set max_tokens_per_micro_batch=16384 ;;
   kernel-eager) prof p15-kernel-eager --set compile_layers=false --set logprob_kernel=true ;;
   nokernel-eager) prof p15-nokernel-eager --set compile_layers=false --set logprob_kernel=false ;;
   flex-eager) prof p15-flex-eager --set pack_sequences=true --set attn_implementation=flex_attention ;;
