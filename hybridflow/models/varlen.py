@@ -23,7 +23,8 @@ Contract, with the packed layout of stages/packing.py:
   - any other call (a padded forward, generation with a KV cache) runs exactly
     transformers' `sdpa`, with sdpa's mask builder (registered under this name too).
 
-Kernels: on CUDA with bf16/fp16 activations (autocast included), torch's varlen flash
+Kernels: on CUDA with bf16/fp16 activations or under bf16/fp16 autocast (which casts
+SDPA's inputs but not a custom kernel's, so this module casts them), torch's varlen flash
 kernel; anywhere else (the CPU, float32) the reference below, SDPA over a block-diagonal
 causal mask built from the same cumulative lengths, which the CPU tests compare against
 the padded forward. Not with a sliding window (refused at the call).
@@ -100,13 +101,26 @@ def attention(
     # here is that one (no padding), so the documents in `cu` are the whole story.
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if _varlen_attn is not None and q.is_cuda and q.dtype in _HALF:
+    dtype = _compute_dtype(q)
+    if _varlen_attn is not None and q.is_cuda and dtype in _HALF:
+        q, k, v = (x.to(dtype) for x in (q, k, v))
         # Not int(): under compile_layers (dynamic shapes) that would specialise the
         # compiled layer on each group's longest document, a recompile per group.
         out = _flash(q, k, v, cu, kwargs["max_length_q"], scale)
     else:
         out = reference(q, k, v, cu, scale)
     return out.unsqueeze(0), None
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in: under autocast, its dtype. Queries and keys come out
+    of RoPE in float32 when the residual stream is float32 (float32 weights under bf16
+    autocast: RoPE's cos/sin take the hidden states' dtype), and autocast casts SDPA's
+    inputs, not a custom kernel's; transformers' flash path casts them the same way."""
+    dev = q.device.type
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return q.dtype
 
 
 def reference(

@@ -92,3 +92,27 @@ def test_the_flash_kernel_equals_the_reference_forward_and_backward(heads, kv_he
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2)
+
+
+def test_float32_queries_under_autocast_run_in_the_autocast_dtype():
+    """RoPE hands float32 queries to attention when the weights are float32 under bf16
+    autocast; autocast casts SDPA's inputs but not a custom kernel's."""
+    q = torch.randn(5, 2, 8)
+    assert varlen._compute_dtype(q) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert varlen._compute_dtype(q) == torch.bfloat16
+    assert varlen._compute_dtype(q.bfloat16()) == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flash varlen kernel)")
+def test_float32_activations_under_autocast_reach_the_flash_kernel():
+    module = SimpleNamespace(num_key_value_groups=6, is_causal=True)
+    q, k, v = _qkv(LENGTHS, 12, 2, 128, "cuda", torch.float32)
+    kw = varlen.packed_kwargs(LENGTHS, torch.device("cuda"))
+    args = [x.transpose(0, 1)[None] for x in (q, k, v)]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, _ = varlen.attention(module, *args, None, scaling=128**-0.5, **kw)
+    assert out.dtype == torch.bfloat16  # the flash kernel's output, not the fp32 reference's
+    want = _per_document(q, k, v, LENGTHS, 128**-0.5)
+    torch.testing.assert_close(out[0].float(), want, atol=2e-2, rtol=2e-2)
