@@ -46,6 +46,23 @@ def _batch(rows: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+def _forwards(role: Any, mb: dict[str, torch.Tensor]) -> list[list[int]]:
+    """[rows, positions computed] of each forward the update runs on `mb` (padded: rows x
+    the group's widest prompt + response span; packed: its real tokens)."""
+    from hybridflow.stages.packing import group_batch, response_span
+
+    out = []
+    for rows in role._groups(mb):
+        sub = group_batch(mb, rows)
+        n = int(sub["prompt_mask"].shape[0])
+        if role.opts.pack_sequences:
+            pos = int(sub["prompt_mask"].sum() + response_span(sub["response_mask"]).sum())
+        else:
+            pos = n * (sub["prompt_mask"].shape[1] + sub["response_mask"].shape[1])
+        out.append([n, pos])
+    return out
+
+
 def _gemms(prof: Any, top: int) -> list[list[Any]]:
     """[op, [a, b], calls, device ms, TFLOP/s] of the `top` GEMM shapes by device time
     (aten::mm / addmm / bmm: 2*m*n*k FLOPs per call): is the update's GEMM time spent at
@@ -138,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         # a NaN norm means the updates were skipped (session 17 found cuDNN attention's)
         "grad_norm": step.get("actor/grad_norm"),
         "skipped_updates": step.get("actor/skipped_updates"),
+        "forwards": _forwards(role, mb),  # [rows, positions] each
         "tokens_per_s": round(tokens / upd, 1),
         "mfu": round(6 * params * tokens / upd / PEAK, 4),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
