@@ -19,17 +19,18 @@ MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 EXTRA=""; [ "$MEM" -lt 100000 ] && EXTRA="--set max_tokens_per_micro_batch=8192"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 LIMIT=${FIRST_S:-300}
-prof() { name=$1; shift; echo "== $name $*"; timeout $LIMIT python3 bench/actor_profile.py --steps 2 --top 40 --gemms 16 --set model=qwen2-1.5b $EXTRA "$@" > $OUT/$name.json 2> $OUT/$name.err || tail -4 $OUT/$name.err; python3 -c "
+prof() { name=$1; shift; echo "== $name $*"; timeout $LIMIT python3 bench/actor_profile.py --steps ${STEPS:-2} --top 40 --gemms 16 --set model=qwen2-1.5b $EXTRA "$@" > $OUT/$name.json 2> $OUT/$name.err || tail -4 $OUT/$name.err; python3 -c "
 import json; r=json.load(open('$OUT/$name.json')); print({k: v for k, v in r.items() if k not in ('options','top','gemms')})" 2>&1 | tail -2; LIMIT=${PROF_S:-150}; }
 for p in ${PROFS:-nokernel kernel flex}; do case $p in
   nokernel) prof p15-nokernel --set compile_layers=true --set logprob_kernel=false ;;
   kernel) prof p15-kernel --set compile_layers=true --set logprob_kernel=true ;;
-  flex) prof p15-flex --set compile_layers=true --set pack_sequences=true --set attn_implementation=flex_attention ;;
-  varlen) prof p15-varlen --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen ;;
+  flex) prof p15-flex --set compile_layers=true --set pack_sequences=true --set attn_implementation=flex_attention --set logprob_kernel=false ;;
+  varlen) prof p15-varlen --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen --set logprob_kernel=false ;;
   varlen-kernel) prof p15-varlen-kernel --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen --set logprob_kernel=true ;;
   varlen-kernel4k) prof p15-varlen-kernel4k --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen --set logprob_kernel=true --set logprob_chunk_tokens=4096 ;;
   varlen-kernel4k-16k) prof p15-varlen-kernel4k-16k --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen --set logprob_kernel=true --set logprob_chunk_tokens=4096 --set max_tokens_per_micro_batch=16384 ;;
+  varlen4k) prof p15-varlen4k --set compile_layers=true --set pack_sequences=true --set attn_implementation=varlen --set logprob_chunk_tokens=4096 --set logprob_kernel=false ;;
   kernel-eager) prof p15-kernel-eager --set compile_layers=false --set logprob_kernel=true ;;
   nokernel-eager) prof p15-nokernel-eager --set compile_layers=false --set logprob_kernel=false ;;
-  flex-eager) prof p15-flex-eager --set pack_sequences=true --set attn_implementation=flex_attention ;;
+  flex-eager) prof p15-flex-eager --set pack_sequences=true --set attn_implementation=flex_attention --set logprob_kernel=false ;;
 esac; done

@@ -84,10 +84,12 @@ class LogprobOptions:
     # [tokens, vocab] float32 logits are never built whole); 0: the former full path
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     # On a GPU, each chunk's log-softmax, entropy and their gradient in one Triton pass
-    # over the head's output (models/head_kernel.py) instead of ~13 float32 passes (on
-    # an H100, ~80-110 ms of a 908 ms qwen2-1.5b update). Off until its speed is measured on
-    # a GPU (its GPU tests pass); false: the torch passes, the reference of the tests
-    logprob_kernel: bool = False
+    # over the head's output (models/head_kernel.py) instead of ~13 float32 passes. On an
+    # H100 (bench/RESULTS.md, session 18), a packed qwen2-1.5b update took 0.668 s with it
+    # against 0.961 s without in one sitting, and 0.653 against 0.952 with 4096-token
+    # chunks. The CPU always runs the torch passes; false: them on a GPU too (the
+    # reference the GPU tests compare against)
+    logprob_kernel: bool = True
 
     def validate_logprob(self, path: str) -> None:
         if self.logprob_chunk_tokens < 0:
