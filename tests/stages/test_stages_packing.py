@@ -195,10 +195,17 @@ def test_critic_values_and_update_packed_equal_padded(batch, name, packing):
     _assert_same_update(_update(packing, mb, cls=Critic, base=base), want)
 
 
-def test_a_lora_actor_update_packed_equals_padded(batch):
+@pytest.mark.parametrize("attn", ["sdpa", "varlen"])
+def test_a_lora_actor_update_packed_equals_padded(batch, attn):
+    """peft's wrapper in front of the model: the packed layout (and varlen's cumulative
+    lengths, read from the wrapped config) still reach every layer."""
     pytest.importorskip("peft")
     base = {**ACTOR, "lora_rank": 4, "lora_alpha": 8.0}
-    packing = {"pack_sequences": True, "max_tokens_per_micro_batch": 40}
+    packing = {
+        "pack_sequences": True,
+        "max_tokens_per_micro_batch": 40,
+        "attn_implementation": attn,
+    }
     _assert_same_update(_update(packing, batch, base=base), _update(PADDED, batch, base=base))
 
 
@@ -316,6 +323,35 @@ def test_packed_flex_attention_on_cuda_equals_padded_sdpa(batch):
         actor = make_role(Actor, "actor", {**ACTOR, **opts}, device=torch.device("cuda:0"))
         got.append(actor.handle("get_logprob", _seqs(batch), {})[0]["old_logprobs"])
     torch.testing.assert_close(got[1], got[0], atol=1e-4, rtol=0)
+
+
+def test_a_packed_varlen_forward_takes_the_documents_path_and_no_mask(batch, monkeypatch):
+    """The packed forward's attention runs per document from the cumulative lengths (the
+    CPU reference here, the flash kernel on a GPU), once per layer, and transformers never
+    looks for packed documents in the position ids (the all-ones mask keeps it from
+    building its T x T mask)."""
+    import transformers.masking_utils as mu
+
+    from hybridflow.models import varlen
+
+    calls = {"documents": 0, "mask_search": 0}
+    reference, search = varlen.reference, mu.find_packed_sequence_indices
+
+    def counted_reference(*args, **kwargs):
+        calls["documents"] += 1
+        return reference(*args, **kwargs)
+
+    def counted_search(*args, **kwargs):
+        calls["mask_search"] += 1
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(varlen, "reference", counted_reference)
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", counted_search)
+    actor = make_role(
+        Actor, "actor", {**ACTOR, "pack_sequences": True, "attn_implementation": "varlen"}
+    )
+    actor.handle("get_logprob", _seqs(batch), {})
+    assert calls == {"documents": actor.model.config.num_hidden_layers, "mask_search": 0}
 
 
 @pytest.mark.gpu
