@@ -41,7 +41,12 @@ transformers >= 4.54) makes each document attend only to itself, for every kerne
 computes every block of it), `flex_attention` a BlockMask (blocks outside the documents
 are skipped, no T x T tensor), `flash_attention_*` varlen over the documents. So packing
 on a GPU pays off with a kernel that skips the masked blocks; with sdpa a long packed
-group can do more attention work than the padded rows it replaced.
+group can do more attention work than the padded rows it replaced. The project's own
+`varlen` (models/varlen.py) takes the documents as cumulative lengths instead, which the
+roles' packed forward passes (stages/common._layout) with an all-ones mask, so the mask
+builder is skipped: torch's varlen flash kernel on a GPU. On an H100 a qwen2-1.5b update
+with it (and the head kernel) ran at 36.9-38.0% MFU against 25.2-26.1% padded
+(bench/RESULTS.md, session 18).
 
 Invariants: a packed forward's per-token outputs equal the padded forward's up to float
 rounding (tests/stages/test_stages_packing.py); the groups partition the rows (in order, or longest first with a budget);
