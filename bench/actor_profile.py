@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": tokens,
         "response_tokens": int(mb["response_mask"].sum()),
         "update_s": round(upd, 4),
+        # every timed update: session 18 saw one configuration take 0.73 s in one process
+        # and 0.96 s in another, so the spread is reported, not just the best
+        "update_s_all": [round(t, 4) for t in times],
         "optimizer_step_s": round(opt_s, 4),
         # a NaN norm means the updates were skipped (session 17 found cuDNN attention's)
         "grad_norm": step.get("actor/grad_norm"),
