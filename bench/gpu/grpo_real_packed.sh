@@ -6,6 +6,7 @@
 # with STEPS timed updates each, to see the spread session 18 found between processes.
 # Written for the call session 18 could not make (its device time ran out); not yet run.
 #   ORDER="new old old new" STEP_S=240 bash bench/gpu/grpo_real_packed.sh
+# (ORDER may also hold new8k: the actor's budget at 8192 positions instead of 16384)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpu.txt
@@ -19,6 +20,7 @@ i=0
 for o in ${ORDER:-new old old new}; do i=$((i+1)); case $o in
   new) step e2e-$i-new ;;
   old) step e2e-$i-old $OLD ;;
+  new8k) step e2e-$i-new8k --set $A.max_tokens_per_micro_batch=8192 ;;  # 16k was slower on an H100
 esac; done
 [ -n "${PROFILE-1}" ] && for p in "--set logprob_kernel=false" "--set logprob_chunk_tokens=4096"; do
   echo "== actor_profile packed varlen $p"
