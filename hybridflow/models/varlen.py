@@ -27,7 +27,9 @@ Kernels: on CUDA with bf16/fp16 activations or under bf16/fp16 autocast (which c
 SDPA's inputs but not a custom kernel's, so this module casts them), torch's varlen flash
 kernel; anywhere else (the CPU, float32) the reference below, SDPA over a block-diagonal
 causal mask built from the same cumulative lengths, which the CPU tests compare against
-the padded forward. Not with a sliding window (refused at the call).
+the padded forward. Not with sliding-window layers, nor on a GPU before compute
+capability 8.0 or with head widths flash attention lacks: `unsupported` says why, and the
+roles refuse those at setup (stages/packing.check_packing).
 """
 
 from __future__ import annotations
@@ -58,6 +60,34 @@ def register() -> None:
 
     AttentionInterface.register(NAME, attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def unsupported(model: Any) -> str | None:
+    """Why a packed forward of `model` cannot run here (None: it can), checked at setup
+    rather than failing in the first step: sliding-window layers anywhere; on a GPU, no
+    varlen kernel in this torch, a GPU older than flash attention's (compute capability
+    8.0), or a head width the kernel lacks."""
+    cfg = getattr(model, "config", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:  # Qwen2/Qwen3: per-layer kinds (sliding_window alone means nothing)
+        sliding = "sliding_attention" in layer_types
+    else:  # Mistral and kin: a window in the config applies to every layer
+        sliding = getattr(cfg, "sliding_window", None) is not None
+    if sliding:
+        return "the model has sliding-window attention layers"
+    param = next(iter(model.parameters()), None)
+    if param is None or param.device.type != "cuda":
+        return None  # the reference path
+    if _varlen_attn is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10)"
+    major, minor = torch.cuda.get_device_capability(param.device)
+    if major < 8:
+        return f"flash attention needs compute capability >= 8.0; this GPU has {major}.{minor}"
+    heads = getattr(cfg, "num_attention_heads", 0) or 1
+    dim = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", 0) // heads
+    if dim % 8 or dim > 256:
+        return f"flash attention takes head widths that are multiples of 8 up to 256, not {dim}"
+    return None
 
 
 def packed_kwargs(lengths: Sequence[int], device: torch.device) -> dict[str, Any]:

@@ -63,6 +63,7 @@ import torch
 
 from hybridflow.config.fields import FIELDS
 from hybridflow.errors import ConfigError
+from hybridflow.models import varlen
 
 # transformers' attention kernels whose mask builder knows packed position ids.
 # "varlen" is the project's own (models/varlen.py): documents from cumulative lengths.
@@ -120,6 +121,12 @@ def check_packing(opts: PackingOptions, model: Any, sharded: bool, path: str) ->
                 f"{path}.pack_sequences",
                 f"needs an attention kernel that masks packed documents "
                 f"({', '.join(PACKABLE_ATTENTION)}); the model uses {kernel!r}",
+            )
+        why = varlen.unsupported(model) if kernel == varlen.NAME else None
+        if why is not None:
+            raise ConfigError(
+                f"{path}.attn_implementation",
+                f"'varlen' cannot run the packed forwards: {why}; use flex_attention or sdpa",
             )
 
 

@@ -116,3 +116,13 @@ def test_float32_activations_under_autocast_reach_the_flash_kernel():
     assert out.dtype == torch.bfloat16  # the flash kernel's output, not the fp32 reference's
     want = _per_document(q, k, v, LENGTHS, 128**-0.5)
     torch.testing.assert_close(out[0].float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_qwen2_model_on_this_gpu_is_supported():
+    from hybridflow.models.loader import ModelOptions, load_model, load_tokenizer
+
+    opts = ModelOptions(model="qwen2-0.5b", attn_implementation="varlen")
+    model = load_model(opts, load_tokenizer("builtin"), device="cuda", path="x")
+    assert varlen.unsupported(model) is None

@@ -325,6 +325,21 @@ def test_packed_flex_attention_on_cuda_equals_padded_sdpa(batch):
     torch.testing.assert_close(got[1], got[0], atol=1e-4, rtol=0)
 
 
+def test_varlen_refuses_sliding_window_models_at_setup():
+    """Mistral's kind (a window in the config, every layer) and Qwen2's (layer kinds;
+    its config's `sliding_window` alone applies nowhere)."""
+    model = torch.nn.Linear(2, 2)
+    model.config = SimpleNamespace(_attn_implementation="varlen", sliding_window=4096)
+    with pytest.raises(ConfigError, match=r"x\.attn_implementation.*sliding-window"):
+        check_packing(PackingOptions(pack_sequences=True), model, False, "x")
+    model.config.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(ConfigError, match="sliding-window"):
+        check_packing(PackingOptions(pack_sequences=True), model, False, "x")
+    model.config.layer_types = ["full_attention"]
+    check_packing(PackingOptions(pack_sequences=True), model, False, "x")  # CPU: the reference
+    check_packing(PackingOptions(pack_sequences=False), model, False, "x")
+
+
 def test_a_packed_varlen_forward_takes_the_documents_path_and_no_mask(batch, monkeypatch):
     """The packed forward's attention runs per document from the cumulative lengths (the
     CPU reference here, the flash kernel on a GPU), once per layer, and transformers never
