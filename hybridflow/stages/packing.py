@@ -86,8 +86,9 @@ class PackingOptions:
     # alone; 0: rows by forward_batch_size
     max_tokens_per_micro_batch: int = 0
     # Each forward as one packed sequence of its rows' real tokens (no padding), with
-    # document-masked attention. Off until measured on a GPU: with sdpa the packed mask
-    # is T x T and fully computed; flex_attention / flash skip the masked blocks
+    # document-masked attention. Off by default: with sdpa (the default kernel) the
+    # packed mask is T x T and fully computed; varlen / flex_attention / flash skip the
+    # masked blocks (varlen measured on an H100, bench/RESULTS.md session 18)
     pack_sequences: bool = False
     # torch.compile each decoder layer (end of stages/packing.py): fused elementwise kernels in
     # forward and backward; setup compiles every variant (about a minute on an H200, more
