@@ -179,7 +179,10 @@ class NativeEngine:
             self._forward(b, self.lengths[0])
             self._sample(b, False)
         except Exception as e:  # any compiler failure: reported below
-            self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            # inductor's BackendCompilerFailed puts the cause on the lines after its first
+            # ("backend='inductor' raised:"), so keep the first three that say something
+            said = [line.strip() for line in str(e).splitlines() if line.strip()][:3]
+            self.compile_error = f"{type(e).__name__}: {' | '.join(said)}"
             log.warning(
                 "%s: compile_decode failed, decoding with the eager fused path: %s",
                 self.path or "native",
