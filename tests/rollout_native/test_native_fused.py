@@ -107,11 +107,14 @@ def test_a_compile_that_fails_falls_back_to_eager_with_the_reason(qwen: Any) -> 
     eng = engine(qwen)
 
     def broken(*args: Any) -> Any:
-        raise RuntimeError("triton: no C compiler\nmore")
+        # shaped like inductor's BackendCompilerFailed: the cause on the second line
+        raise RuntimeError("backend='inductor' raised:\nRuntimeError: no C compiler\n\nSet TORCHDYNAMO_VERBOSE=1")
 
     eng._uniform = broken
     eng.model.fused.compiled = True
     eng._probe_compiled()
-    assert eng.compile_error == "RuntimeError: triton: no C compiler"
+    assert eng.compile_error == (
+        "RuntimeError: backend='inductor' raised: | RuntimeError: no C compiler"
+    )
     assert not eng.model.fused.compiled and eng._uniform is not broken
     _same(run_all(eng, _requests()), run_all(engine(qwen, fused_decode=False), _requests()))

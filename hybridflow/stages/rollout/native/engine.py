@@ -179,9 +179,9 @@ class NativeEngine:
             self._forward(b, self.lengths[0])
             self._sample(b, False)
         except Exception as e:  # any compiler failure: reported below
-            # inductor's BackendCompilerFailed puts the cause on the lines after its first
-            # ("backend='inductor' raised:"), so keep the first three that say something
-            said = [line.strip() for line in str(e).splitlines() if line.strip()][:3]
+            # inductor's BackendCompilerFailed puts the cause on the line after its first
+            # ("backend='inductor' raised:"), and a debugging hint after that: keep two
+            said = [line.strip() for line in str(e).splitlines() if line.strip()][:2]
             self.compile_error = f"{type(e).__name__}: {' | '.join(said)}"
             log.warning(
                 "%s: compile_decode failed, decoding with the eager fused path: %s",
