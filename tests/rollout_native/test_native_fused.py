@@ -108,7 +108,9 @@ def test_a_compile_that_fails_falls_back_to_eager_with_the_reason(qwen: Any) -> 
 
     def broken(*args: Any) -> Any:
         # shaped like inductor's BackendCompilerFailed: the cause on the second line
-        raise RuntimeError("backend='inductor' raised:\nRuntimeError: no C compiler\n\nSet TORCHDYNAMO_VERBOSE=1")
+        raise RuntimeError(
+            "backend='inductor' raised:\nRuntimeError: no C compiler\n\nSet TORCHDYNAMO_VERBOSE=1"
+        )
 
     eng._uniform = broken
     eng.model.fused.compiled = True
