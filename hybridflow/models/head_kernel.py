@@ -31,9 +31,13 @@ no host sync.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hybridflow.models.kernels import TRITON, runs_on
+
+log = logging.getLogger(__name__)
 
 if TRITON:
     import triton
@@ -45,8 +49,63 @@ _WARPS = 8
 
 def applies(logits: torch.Tensor) -> bool:
     """True where the kernels take this chunk: a CUDA tensor (Triton present) whose rows
-    are contiguous."""
-    return runs_on(logits.device) and logits.dim() == 2 and logits.stride(-1) == 1
+    are contiguous, on a device where the kernels were seen to build and agree (usable)."""
+    return (
+        runs_on(logits.device)
+        and logits.dim() == 2
+        and logits.stride(-1) == 1
+        and usable(logits.device)
+    )
+
+
+_probed: dict[str, str | None] = {}  # device -> why the kernels cannot run there (None: they can)
+
+
+def usable(device: torch.device) -> bool:
+    """Whether both kernels build and give the torch passes' numbers on `device`: probed
+    once per device on a tiny chunk, the first time a chunk could take them.
+
+    `logprob_kernel` is on by default, so a machine where Triton cannot build (no C
+    compiler for its launcher, an unsupported GPU) or builds wrong must not fail the first
+    training step: the probe logs why, naming the option, and the torch passes run, as
+    with `logprob_kernel: false` (the native engine's compile_decode falls back the same
+    way)."""
+    key = str(device)
+    if key not in _probed:
+        _probed[key] = _probe(device)
+        if _probed[key] is not None:
+            log.warning(
+                "logprob_kernel: the head kernel cannot run on %s (%s); the torch passes "
+                "run instead (set logprob_kernel: false to silence this)",
+                key,
+                _probed[key],
+            )
+    return _probed[key] is None
+
+
+def _probe(device: torch.device) -> str | None:
+    """None if stats and grad run on a [2, 40] chunk and agree with torch's log-softmax
+    and its gradient; else what went wrong."""
+    try:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(0)
+            z = (torch.randn(2, 40, generator=g) * 3).to(device)
+            y = torch.tensor([1, 7], device=device)
+            rows = torch.arange(2, device=device)
+            ref = torch.log_softmax(z, dim=-1)
+            want_dz = -ref.exp()  # d log p(y) / dz = onehot(y) - p
+            want_dz[rows, y] += 1.0
+            lp, lse, ent = stats(z, y, 1.0, True)
+            assert ent is not None
+            if not torch.allclose(lp, ref[rows, y], atol=1e-4):
+                return "its log-probs differ from torch's on a probe chunk"
+            dz = grad(z, y, lse, ent, torch.ones_like(lp), None, 1.0)
+            if not torch.allclose(dz, want_dz, atol=1e-4):
+                return "its gradient differs from torch's on a probe chunk"
+    except Exception as e:  # any build or launch failure: reported by the caller
+        said = [line.strip() for line in str(e).splitlines() if line.strip()][:2]
+        return f"{type(e).__name__}: {' | '.join(said)}"
+    return None
 
 
 def stats(

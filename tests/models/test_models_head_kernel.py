@@ -124,3 +124,11 @@ def test_a_models_response_logprobs_with_the_kernel_equal_without():
         out.append([lp.detach(), ent.detach()] + [p.grad for p in model.parameters()])
     for a, b in zip(*out, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_the_setup_probe_accepts_the_kernels_on_this_gpu():
+    """The probe that guards the default-on kernel (head_kernel.usable) must not turn it
+    off where it works: a wrong rejection would only warn and run slower."""
+    head_kernel._probed.pop("cuda", None)
+    assert head_kernel._probe(torch.device("cuda")) is None
+    assert head_kernel.usable(torch.device("cuda"))

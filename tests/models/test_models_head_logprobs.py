@@ -273,3 +273,89 @@ def test_asking_for_the_kernel_on_the_cpu_changes_nothing():
         got.append((lp, ent, *_grads((up[0] * lp + up[1] * ent).sum(), head, hidden)))
     for a, b in zip(*got, strict=True):
         assert torch.equal(a, b)
+
+
+def _kernel_run(monkeypatch, stats, grad=None):
+    """head_logprobs with `kernel` on, the kernels' seam replaced by stand-ins on the CPU
+    (the CPU build has no Triton): runs_on says yes, the probe starts afresh. Returns the
+    outputs, their gradients, and the torch passes' for comparison."""
+    from hybridflow.models import head_kernel
+
+    monkeypatch.setattr(head_kernel, "runs_on", lambda device: True)
+    monkeypatch.setattr(head_kernel, "_probed", {})
+    monkeypatch.setattr(head_kernel, "stats", stats)
+    if grad is not None:
+        monkeypatch.setattr(head_kernel, "grad", grad)
+    head, hidden, targets, up = _case()
+    got = []
+    for kernel in (True, False):
+        lp, ent = head_logprobs(
+            hidden, targets, head, temperature=0.7, chunk_tokens=5, with_entropy=True, kernel=kernel
+        )
+        got.append((lp, ent, *_grads((up[0] * lp + up[1] * ent).sum(), head, hidden)))
+    return got
+
+
+def test_a_head_kernel_that_cannot_build_falls_back_to_the_torch_passes_naming_why(
+    monkeypatch, caplog
+):
+    """logprob_kernel is on by default: where Triton cannot build (here a stand-in raising
+    as Triton does without a C compiler), one probe finds it, a warning names the option
+    and the cause, and every chunk runs the torch passes, bit for bit."""
+    calls = []
+
+    def no_compiler(*args):
+        calls.append(args)
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    with caplog.at_level("WARNING", logger="hybridflow.models.head_kernel"):
+        with_kernel, without = _kernel_run(monkeypatch, no_compiler)
+    for a, b in zip(with_kernel, without, strict=True):
+        assert torch.equal(a, b)
+    assert len(calls) == 1  # probed once, not once per chunk (8 chunks here)
+    (record,) = caplog.records
+    assert "logprob_kernel" in record.message and "Failed to find C compiler" in record.message
+
+
+def test_a_head_kernel_whose_numbers_are_wrong_is_never_used(monkeypatch, caplog):
+    """A kernel that builds but disagrees with torch on the probe chunk is not trusted."""
+    from hybridflow.models.head_logprobs import _chunk_stats, _grad, _scaled
+
+    calls = []
+
+    def off_by_a_bit(logits, targets, temperature, with_entropy):
+        calls.append(1)
+        lp, lse, ent = _chunk_stats(_scaled(logits, temperature).clone(), targets, with_entropy)
+        return lp + 1e-2, lse, ent
+
+    with caplog.at_level("WARNING", logger="hybridflow.models.head_kernel"):
+        with_kernel, without = _kernel_run(monkeypatch, off_by_a_bit, _grad)
+    for a, b in zip(with_kernel, without, strict=True):
+        assert torch.equal(a, b)
+    assert len(calls) == 1
+    assert "log-probs differ" in caplog.records[0].message
+
+
+def test_a_head_kernel_that_agrees_on_the_probe_takes_every_chunk(monkeypatch, caplog):
+    """The probe does not reject a kernel that works: stand-ins that compute the torch
+    passes' numbers (so the outputs must stay equal) pass it and then see every chunk."""
+    from hybridflow.models.head_logprobs import _chunk_stats, _grad, _scaled
+
+    stats_calls, grad_calls = [], []
+
+    def stats(logits, targets, temperature, with_entropy):
+        stats_calls.append(1)
+        # clone: the torch pass consumes float32 logits at T = 1; the kernel reads only
+        return _chunk_stats(_scaled(logits, temperature).clone(), targets, with_entropy)
+
+    def grad(*args):
+        grad_calls.append(1)
+        return _grad(*args)
+
+    with caplog.at_level("WARNING", logger="hybridflow.models.head_kernel"):
+        with_kernel, without = _kernel_run(monkeypatch, stats, grad)
+    for a, b in zip(with_kernel, without, strict=True):
+        torch.testing.assert_close(a, b)
+    chunks = -(-N // 5)
+    assert len(stats_calls) == 1 + chunks and len(grad_calls) == 1 + chunks
+    assert not caplog.records
