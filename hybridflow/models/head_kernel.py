@@ -35,7 +35,7 @@ import logging
 
 import torch
 
-from hybridflow.models.kernels import TRITON, runs_on
+from hybridflow.models.kernels import TRITON, Probe, failure, runs_on
 
 log = logging.getLogger(__name__)
 
@@ -58,31 +58,6 @@ def applies(logits: torch.Tensor) -> bool:
     )
 
 
-_probed: dict[str, str | None] = {}  # device -> why the kernels cannot run there (None: they can)
-
-
-def usable(device: torch.device) -> bool:
-    """Whether both kernels build and give the torch passes' numbers on `device`: probed
-    once per device on a tiny chunk, the first time a chunk could take them.
-
-    `logprob_kernel` is on by default, so a machine where Triton cannot build (no C
-    compiler for its launcher, an unsupported GPU) or builds wrong must not fail the first
-    training step: the probe logs why, naming the option, and the torch passes run, as
-    with `logprob_kernel: false` (the native engine's compile_decode falls back the same
-    way)."""
-    key = str(device)
-    if key not in _probed:
-        _probed[key] = _probe(device)
-        if _probed[key] is not None:
-            log.warning(
-                "logprob_kernel: the head kernel cannot run on %s (%s); the torch passes "
-                "run instead (set logprob_kernel: false to silence this)",
-                key,
-                _probed[key],
-            )
-    return _probed[key] is None
-
-
 def _probe(device: torch.device) -> str | None:
     """None if stats and grad run on a [2, 40] chunk and agree with torch's log-softmax
     and its gradient; else what went wrong."""
@@ -102,10 +77,23 @@ def _probe(device: torch.device) -> str | None:
             dz = grad(z, y, lse, ent, torch.ones_like(lp), None, 1.0)
             if not torch.allclose(dz, want_dz, atol=1e-4):
                 return "its gradient differs from torch's on a probe chunk"
-    except Exception as e:  # any build or launch failure: reported by the caller
-        said = [line.strip() for line in str(e).splitlines() if line.strip()][:2]
-        return f"{type(e).__name__}: {' | '.join(said)}"
+    except Exception as e:  # any build or launch failure: reported by usable
+        return failure(e)
     return None
+
+
+# `logprob_kernel` is on by default, so a machine where these kernels do not build (an
+# unsupported GPU, beyond kernels.builds' trivial one) or build wrong must not fail the
+# first training step: the probe logs why, naming the option, and the torch passes run,
+# as with `logprob_kernel: false`.
+usable = Probe(
+    _probe,
+    "logprob_kernel: the head kernel cannot run on %s (%s); the torch passes run instead "
+    "(set logprob_kernel: false to silence this)",
+    log,
+)
+"""Whether both kernels build and give the torch passes' numbers on a device's type:
+probed once on a tiny chunk, the first time a chunk could take them."""
 
 
 def stats(

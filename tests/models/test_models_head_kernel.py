@@ -126,9 +126,13 @@ def test_a_models_response_logprobs_with_the_kernel_equal_without():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_the_setup_probe_accepts_the_kernels_on_this_gpu():
-    """The probe that guards the default-on kernel (head_kernel.usable) must not turn it
-    off where it works: a wrong rejection would only warn and run slower."""
-    head_kernel._probed.pop("cuda", None)
+def test_the_probes_accept_the_kernels_on_this_gpu():
+    """The probes that guard the default-on kernels (kernels.builds, head_kernel.usable)
+    must not turn them off where they work: a wrong rejection would only warn and run
+    slower."""
+    from hybridflow.models import kernels
+
+    assert kernels.runs_on(torch.device("cuda"))  # the build probe (models/kernels.py)
+    head_kernel.usable.answers.pop("cuda", None)
     assert head_kernel._probe(torch.device("cuda")) is None
     assert head_kernel.usable(torch.device("cuda"))

@@ -282,7 +282,7 @@ def _kernel_run(monkeypatch, stats, grad=None):
     from hybridflow.models import head_kernel
 
     monkeypatch.setattr(head_kernel, "runs_on", lambda device: True)
-    monkeypatch.setattr(head_kernel, "_probed", {})
+    monkeypatch.setattr(head_kernel.usable, "answers", {})
     monkeypatch.setattr(head_kernel, "stats", stats)
     if grad is not None:
         monkeypatch.setattr(head_kernel, "grad", grad)

@@ -148,7 +148,11 @@ def test_driven_engine_steps_in_the_worker_thread_and_joins_running_drives(qwen:
         first = asyncio.ensure_future(front.generate(reqs[0]))
         await asyncio.sleep(0.05)  # the drive runs; these two join it
         rest = await asyncio.gather(*(front.generate(r) for r in reqs[1:]))
-        return [await first, *rest]
+        done = [await first, *rest]
+        # a result resolves inside a step; the drive ends on its next turn, so wait for it
+        # before asking whether it is still driving (this raced on a loaded machine)
+        await asyncio.gather(*front._drives)
+        return done
 
     try:
         outs = asyncio.run(staggered())

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from hybridflow.errors import BatchError
+from hybridflow.models.kernels import failure
 from hybridflow.stages.rollout.native.forward.model import NativeModel, prompt_logits
 from hybridflow.stages.rollout.native.graphs import (
     DecodeGraphs,
@@ -179,10 +180,7 @@ class NativeEngine:
             self._forward(b, self.lengths[0])
             self._sample(b, False)
         except Exception as e:  # any compiler failure: reported below
-            # inductor's BackendCompilerFailed puts the cause on the line after its first
-            # ("backend='inductor' raised:"), and a debugging hint after that: keep two
-            said = [line.strip() for line in str(e).splitlines() if line.strip()][:2]
-            self.compile_error = f"{type(e).__name__}: {' | '.join(said)}"
+            self.compile_error = failure(e)
             log.warning(
                 "%s: compile_decode failed, decoding with the eager fused path: %s",
                 self.path or "native",

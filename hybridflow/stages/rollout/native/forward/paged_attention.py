@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hybridflow.models.kernels import TRITON
+from hybridflow.models.kernels import TRITON, runs_on
 
 if TRITON:  # the GPU path
     import triton
@@ -49,8 +49,9 @@ Prefix = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def triton_available() -> bool:
-    """True where the Triton kernel can run: triton imports and a CUDA device exists."""
-    return TRITON and torch.cuda.is_available()
+    """True where the Triton kernel can run: triton imports, a CUDA device exists, and
+    kernels build there (models/kernels.runs_on)."""
+    return TRITON and torch.cuda.is_available() and runs_on(torch.device("cuda"))
 
 
 def paged_decode_torch(
