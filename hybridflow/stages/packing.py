@@ -55,6 +55,7 @@ a group's trimmed forward equals its untrimmed one up to float rounding.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,9 @@ import torch
 from hybridflow.config.fields import FIELDS
 from hybridflow.errors import ConfigError
 from hybridflow.models import varlen
+from hybridflow.models.kernels import failure
+
+log = logging.getLogger(__name__)
 
 # transformers' attention kernels whose mask builder knows packed position ids.
 # "varlen" is the project's own (models/varlen.py): documents from cumulative lengths.
@@ -358,8 +362,33 @@ def compile_layers(
     for layer in layers:
         layer.compile(dynamic=True)
     if run is not None:
-        _warm(model, run, grads, budget)
+        try:
+            _warm(model, run, grads, budget)
+        except Exception as e:
+            return _uncompile(model, layers, run, key, e)
     return len(layers)
+
+
+def _uncompile(
+    model: Any,
+    layers: list[Any],
+    run: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    key: str,
+    e: Exception,
+) -> int:
+    """The warm-up failed. Where inductor cannot build on this machine (no C compiler for
+    its Triton or C++ kernels, an inductor gap) the layers go back to eager with a warning
+    giving the cause, as the native engine's compile_decode does: the preset that turns
+    compile_layers on must still run there, only slower. If one eager forward fails too,
+    the fault is not the compiler's, and that forward's own error is raised."""
+    for layer in layers:
+        layer._compiled_call_impl = None  # what nn.Module.compile set: eager again
+    for p in model.parameters():
+        p.grad = None
+    with torch.no_grad():
+        run(_warm_group(1, False, int(model.config.vocab_size)))
+    log.warning("%s: torch.compile failed at setup (%s); the layers run eagerly", key, failure(e))
+    return 0
 
 
 def _warm_group(rows: int, padded: bool, vocab: int, length: int = 6) -> dict[str, torch.Tensor]:

@@ -434,3 +434,58 @@ def test_compile_layers_with_fsdp_or_no_layers_names_the_key():
     with pytest.raises(ConfigError, match=r"actor\.compile_layers.*no model.layers"):
         compile_layers(True, torch.nn.Linear(2, 2), False, "actor")
     assert compile_layers(False, torch.nn.Linear(2, 2), True, "actor") == 0
+
+
+def _tiny_and_forward():
+    from hybridflow.models.loader import ModelOptions, load_model
+    from hybridflow.stages.common import response_logprobs
+
+    model = load_model(ModelOptions(model="tiny", tokenizer="builtin"), TOK)
+    return model, lambda b: response_logprobs(model, b, torch.device("cpu"), 1.0)[0]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing inductor (torch.jit)
+def test_compile_layers_that_cannot_build_fall_back_to_eager_naming_the_key(caplog):
+    """Where inductor cannot build (no C compiler on a slim GPU image), a preset with
+    compile_layers on must still run: the warm-up's failure puts the layers back to eager,
+    drops what the warm-up left, and warns with the key and inductor's cause. The failing
+    compile is a stand-in at the forward's seam: it raises whenever a layer is compiled."""
+    from hybridflow.stages.packing import compile_layers, decoder_layers
+
+    model, forward = _tiny_and_forward()
+    layers = decoder_layers(model)
+
+    def run(group):
+        if any(layer._compiled_call_impl is not None for layer in layers):
+            raise RuntimeError(
+                "backend='inductor' raised:\nRuntimeError: Failed to find C compiler"
+            )
+        return forward(group)
+
+    with caplog.at_level("WARNING", logger="hybridflow.stages.packing"):
+        assert (
+            compile_layers(
+                True, model, False, "stages.engine.roles.actor.options", run, (True, False)
+            )
+            == 0
+        )
+    assert all(layer._compiled_call_impl is None for layer in layers)
+    assert all(p.grad is None for p in model.parameters())
+    (record,) = caplog.records
+    assert "stages.engine.roles.actor.options.compile_layers" in record.message
+    assert "Failed to find C compiler" in record.message
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing inductor (torch.jit)
+def test_a_warm_up_that_fails_eagerly_too_raises_its_own_error():
+    """Not every warm-up failure is the compiler's: a forward that fails without compile
+    raises its own error at setup, not a warning."""
+    from hybridflow.stages.packing import compile_layers
+
+    model, _ = _tiny_and_forward()
+
+    def broken(group):
+        raise ValueError("a bug in the role's forward")
+
+    with pytest.raises(ValueError, match="a bug in the role's forward"):
+        compile_layers(True, model, False, "actor", broken, (False,))
