@@ -51,7 +51,7 @@ Prefix = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 def triton_available() -> bool:
     """True where the Triton kernel can run: triton imports, a CUDA device exists, and
     kernels build there (models/kernels.runs_on)."""
-    return TRITON and torch.cuda.is_available() and runs_on(torch.device("cuda"))
+    return torch.cuda.is_available() and runs_on(torch.device("cuda"))
 
 
 def paged_decode_torch(
